@@ -1,0 +1,86 @@
+"""Shared fixtures: a private redis-server per session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis
+
+from coordinator.embedded_redis import EmbeddedRedis, RedisBinaryMissing, find_redis_server
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    try:
+        find_redis_server()
+    except RedisBinaryMissing as exc:
+        pytest.exit(str(exc), returncode=3)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """One private redis-server for the whole session; tests isolate by namespace."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_factory(tmp_path: Path) -> Iterator[Callable[..., EmbeddedRedis]]:
+    """Start extra private servers (for tests that kill or restart Redis); all stopped after."""
+    started: list[EmbeddedRedis] = []
+
+    def make(**kwargs: object) -> EmbeddedRedis:
+        server = EmbeddedRedis(tmp_path / f"redis-{len(started)}", **kwargs)  # type: ignore[arg-type]
+        server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop(kill=True)
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    """A text client on the private server."""
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def fake() -> fakeredis.FakeRedis:
+    """A fakeredis client with Lua, for logic tests."""
+    return fakeredis.FakeRedis(decode_responses=True)
+
+
+@pytest.fixture
+def env(redis_server: EmbeddedRedis, namespace: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Environment pointing at the private server and this test's namespace.
+
+    It is applied to this process too (for in-process settings) and returned for subprocesses.
+    """
+    values = {"OVERNIGHT_REDIS_URL": redis_server.url, "OVERNIGHT_NAMESPACE": namespace}
+    for key in list(os.environ):
+        if key.startswith("OVERNIGHT_") or key == "MODEL_URL":
+            monkeypatch.delenv(key)
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    full = {k: v for k, v in os.environ.items()}
+    full["PYTHONUNBUFFERED"] = "1"
+    return full
