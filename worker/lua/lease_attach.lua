@@ -1,0 +1,11 @@
+-- Record the supervised child (pid, process group, start time) on a running lease.
+-- KEYS[1] lease hash   KEYS[2] liveness key
+-- ARGV[1] token  ARGV[2] holder_pid  ARGV[3] pgid  ARGV[4] child start time (clock ticks)
+-- Returns {1, 'ok'} or {0, reason}: unknown | stale-token | not-running:<status> | lapsed.
+local doc = redis.call('HMGET', KEYS[1], 'token', 'status')
+if not doc[1] then return {0, 'unknown'} end
+if doc[1] ~= ARGV[1] then return {0, 'stale-token'} end
+if doc[2] ~= 'running' then return {0, 'not-running:' .. doc[2]} end
+if redis.call('EXISTS', KEYS[2]) == 0 then return {0, 'lapsed'} end
+redis.call('HSET', KEYS[1], 'holder_pid', ARGV[2], 'pgid', ARGV[3], 'child_start_ticks', ARGV[4])
+return {1, 'ok'}

@@ -1,0 +1,31 @@
+-- End a running lease with a terminal status, once: the first writer wins, later ones are refused.
+-- KEYS[1] lease hash   KEYS[2] liveness key   KEYS[3] expiry index (zset)   KEYS[4] receipt stream
+-- ARGV[1] token  ARGV[2] status: done | killed | expired  ARGV[3] note
+-- ARGV[4] exit code ('' = none)  ARGV[5] '1' = only if the liveness key has lapsed (the reaper)
+-- ARGV[6] writer (supervisor | reaper)  ARGV[7] receipt kind  ARGV[8] receipt stream maxlen
+-- ARGV[9] seconds to keep the ended document  ARGV[10] host of the writer
+-- Returns {1, ended_unix} or {0, reason}:
+--   unknown | stale-token | already-ended:<status> | bad-status | alive.
+local status = ARGV[2]
+if status ~= 'done' and status ~= 'killed' and status ~= 'expired' then
+  return {0, 'bad-status'}
+end
+local doc = redis.call('HMGET', KEYS[1], 'token', 'status', 'lease_id', 'task_id')
+if not doc[1] then return {0, 'unknown'} end
+if doc[1] ~= ARGV[1] then return {0, 'stale-token'} end
+if doc[2] ~= 'running' then return {0, 'already-ended:' .. doc[2]} end
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {0, 'alive'} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ended = string.format('%.6f', now)
+redis.call('HSET', KEYS[1], 'status', status, 'note', ARGV[3], 'exit_code', ARGV[4],
+  'ended_unix', ended)
+redis.call('EXPIRE', KEYS[1], ARGV[9])
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], doc[3])
+local receipt = cjson.encode({ts = now, host = ARGV[10], lease_id = doc[3],
+  task_id = (doc[4] ~= '' and doc[4]) or nil,
+  data = {status = status, note = ARGV[3], exit_code = tonumber(ARGV[4]), writer = ARGV[6],
+          token = tonumber(ARGV[1])}})
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'kind', ARGV[7], 'data', receipt)
+return {1, ended}
