@@ -1,4 +1,4 @@
-"""The ``overnight`` command: parses, delegates, and maps every failure to the contract's exit codes.
+"""The ``overnight`` command: parses, delegates, maps every failure to a contract exit code.
 
 Subcommands live in the modules that own their logic and are imported only when invoked,
 so ``overnight supervise`` does not pay for RQ or rich.
@@ -7,6 +7,7 @@ so ``overnight supervise`` does not pay for RQ or rich.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import sys
 import traceback

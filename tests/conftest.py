@@ -70,7 +70,9 @@ def fake() -> fakeredis.FakeRedis:
 
 
 @pytest.fixture
-def env(redis_server: EmbeddedRedis, namespace: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def env(
+    redis_server: EmbeddedRedis, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, str]:
     """Environment pointing at the private server and this test's namespace.
 
     It is applied to this process too (for in-process settings) and returned for subprocesses.

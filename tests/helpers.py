@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -33,7 +34,5 @@ def pid_alive(pid: int) -> bool:
 
 
 def kill_quietly(pid: int, sig: int = 9) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

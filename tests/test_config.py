@@ -14,7 +14,9 @@ from tests.conftest import OVERNIGHT
 
 
 def run_config(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_") and k != "MODEL_URL"}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_") and k != "MODEL_URL"
+    }
     clean.update(env)
     return subprocess.run(
         [OVERNIGHT, "config"], env=clean, cwd=tmp_path, capture_output=True, text=True, timeout=30
@@ -89,6 +91,8 @@ def test_secret_value_never_echoed_in_errors(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_usage_error_exits_64(tmp_path: Path) -> None:
-    proc = subprocess.run([OVERNIGHT, "no-such-command"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [OVERNIGHT, "no-such-command"], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 64
     assert len(proc.stderr.strip().splitlines()) == 1

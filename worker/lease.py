@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from config.keys import Keys
 from worker import procs
@@ -193,7 +193,7 @@ class Leases:
         """True while the liveness key exists."""
         return bool(self.client.exists(self.keys.lease_alive(lease_id)))
 
-    def list(self, limit: int = 1000) -> list[LeaseDoc]:
+    def recent(self, limit: int = 1000) -> list[LeaseDoc]:
         """The most recent leases of the namespace, newest first."""
         ids = self.client.zrevrange(self.keys.leases, 0, limit - 1)
         pipe = self.client.pipeline(transaction=False)

@@ -99,7 +99,7 @@ def read(
 ) -> list[Receipt]:
     """Receipts in stream order, optionally only one task's, starting after ``after``."""
     start = after if after == "-" else f"({after}"
-    rows = client.xrange(keys.receipts, min=start, max="+", count=count)
+    rows: Any = client.xrange(keys.receipts, min=start, max="+", count=count)
     out = [parse(_text(eid), _decode(fields)) for eid, fields in rows]
     return [rc for rc in out if task_id is None or rc.task_id == task_id]
 
@@ -110,7 +110,7 @@ def follow(
     """Every existing receipt, then new ones as they arrive (blocks; never returns)."""
     last = "0-0"
     while True:
-        rows = client.xread({keys.receipts: last}, block=block_ms, count=500)
+        rows: Any = client.xread({keys.receipts: last}, block=block_ms, count=500)
         for _stream, entries in rows or []:
             for eid, fields in entries:
                 last = _text(eid)
