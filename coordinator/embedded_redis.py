@@ -1,4 +1,4 @@
-"""A private ``redis-server`` process: for ``overnight up`` without a Redis, for tests and benches."""
+"""A private ``redis-server`` process: for ``overnight up`` without Redis, tests and benches."""
 
 from __future__ import annotations
 
