@@ -82,6 +82,14 @@ class Keys:
         """Sorted set: task id -> submitted (unix seconds)."""
         return f"{self.prefix}:tasks"
 
+    def task_claim(self, task_id: str) -> str:
+        """String with a TTL: the token of the worker running the task; lapses if it dies."""
+        return f"{self.prefix}:task:{task_id}:claim"
+
+    def task_charged(self, task_id: str) -> str:
+        """Set: request ids already charged to the task's own ``max_calls`` (idempotence)."""
+        return f"{self.prefix}:task:{task_id}:charged"
+
     # --- coordination -------------------------------------------------------------------
     def instance(self, role: str) -> str:
         """String with a TTL: a running ``overnight up``/coordinator of this namespace."""

@@ -1,0 +1,221 @@
+"""Task files: TOML (or the same keys as JSON) validated into a :class:`TaskSpec`.
+
+Validation is total: every problem of every file is collected as one line naming the
+file and the key, so ``overnight submit`` can refuse a whole batch at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+ENVELOPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_TEXT = 100_000
+MAX_ARG = 10_000
+MAX_ARGS = 256
+
+
+def _check_argv(argv: list[str]) -> list[str]:
+    if len(argv) > MAX_ARGS:
+        raise ValueError(f"at most {MAX_ARGS} arguments")
+    if not argv[0].strip():
+        raise ValueError("the program name must not be empty")
+    for arg in argv:
+        if "\x00" in arg:
+            raise ValueError("arguments must not contain NUL characters")
+        if len(arg) > MAX_ARG:
+            raise ValueError(f"each argument must be at most {MAX_ARG} characters")
+    return argv
+
+
+class Rule(BaseModel):
+    """One verifier rule: it passes iff ``run`` exits 0."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(min_length=1, max_length=100)
+    run: list[str] = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip() or any(ch in value for ch in "\x00\n\r"):
+            raise ValueError("must be non-blank text on one line")
+        return value
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: list[str]) -> list[str]:
+        return _check_argv(value)
+
+
+class TaskSpec(BaseModel):
+    """A task exactly as the contract names its keys. ``workdir`` is absolute once loaded."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    id: str | None = None
+    assignment: str = Field(min_length=1, max_length=MAX_TEXT)
+    workdir: str = "."
+    agent: list[str] | None = Field(None, min_length=1)
+    max_calls: int = Field(20, ge=1, le=1_000_000)
+    lease_seconds: float | None = Field(None, gt=0, le=7 * 86_400)
+    heartbeat_gap: float | None = Field(None, gt=0, le=86_400)
+    deadline: float = Field(21_600, gt=0, le=30 * 86_400)
+    envelope: str = "default"
+    on_unknown: Literal["pause", "retry"] = "pause"
+    verifier: list[Rule] = Field(min_length=1, max_length=100)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str | None) -> str | None:
+        if value is not None and not TASK_ID_RE.match(value):
+            raise ValueError(
+                "must be 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("assignment")
+    @classmethod
+    def _assignment(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        if "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+    @field_validator("envelope")
+    @classmethod
+    def _envelope(cls, value: str) -> str:
+        if not ENVELOPE_RE.match(value):
+            raise ValueError("must be 1-64 letters, digits, '.', '_' or '-'")
+        return value
+
+    @field_validator("agent")
+    @classmethod
+    def _agent(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else _check_argv(value)
+
+    @field_validator("verifier")
+    @classmethod
+    def _unique_rules(cls, value: list[Rule]) -> list[Rule]:
+        names = [rule.name for rule in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"rule names must be unique (repeated: {', '.join(dupes)})")
+        return value
+
+    def step_deadline(self, default: float) -> float:
+        return self.lease_seconds if self.lease_seconds is not None else default
+
+    def step_gap(self, default: float) -> float:
+        return self.heartbeat_gap if self.heartbeat_gap is not None else default
+
+
+class TaskFileError(Exception):
+    """One or more task files are invalid; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(file)"
+
+
+def _problem_lines(label: str, exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        key = _loc(tuple(err["loc"]))
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] == "missing":
+            message = "required key is missing"
+        else:
+            message = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{label}: {key}: {message}")
+    return lines
+
+
+def parse_text(text: str, *, json_format: bool) -> dict[str, Any]:
+    """The raw mapping of a task file's text; raises ``ValueError`` with a short reason."""
+    if json_format:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"not valid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("the top level must be a table of keys")
+    return data
+
+
+def load(path: Path) -> TaskSpec:
+    """Load and validate one task file; raises :class:`TaskFileError`."""
+    label = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TaskFileError([f"{label}: (file): cannot read: {reason}"]) from None
+    try:
+        data = parse_text(text, json_format=path.suffix.lower() == ".json")
+    except ValueError as exc:
+        raise TaskFileError([f"{label}: (file): {exc}"]) from None
+    problems: list[str] = []
+    workdir_text = data.get("workdir", ".")
+    workdir = None
+    if isinstance(workdir_text, str) and "\x00" not in workdir_text:
+        workdir = (path.parent / workdir_text).resolve()
+        if not workdir.is_dir():
+            problems.append(f"{label}: workdir: no such directory: {workdir}")
+    try:
+        spec = TaskSpec.model_validate(data)
+    except ValidationError as exc:
+        problems[:0] = _problem_lines(label, exc)
+    if problems:
+        raise TaskFileError(problems)
+    assert workdir is not None
+    return spec.model_copy(update={"workdir": str(workdir)})
+
+
+def load_all(paths: list[Path]) -> list[TaskSpec]:
+    """Validate every file before returning any; duplicate ids within the batch are refused."""
+    problems: list[str] = []
+    specs: list[tuple[Path, TaskSpec]] = []
+    for path in paths:
+        try:
+            specs.append((path, load(path)))
+        except TaskFileError as exc:
+            problems.extend(exc.problems)
+    seen: dict[str, Path] = {}
+    for path, spec in specs:
+        if spec.id is None:
+            continue
+        if spec.id in seen:
+            problems.append(f"{path}: id: {spec.id!r} is also the id of {seen[spec.id]}")
+        seen.setdefault(spec.id, path)
+    if problems:
+        raise TaskFileError(problems)
+    return [spec for _path, spec in specs]
