@@ -32,6 +32,8 @@ class Settings(BaseSettings):
         env_file=".env",
         extra="ignore",
         populate_by_name=True,
+        # compose writes `${OVERNIGHT_BUDGET:-}` as an empty string: treat it as unset.
+        env_ignore_empty=True,
     )
 
     redis_url: str = "redis://127.0.0.1:6379/0"
