@@ -1,0 +1,371 @@
+"""The call envelope: one budget of model and tool calls shared by every process naming it.
+
+State is one Redis hash per envelope. Each transition is one Lua script,
+``worker/lua/envelope_<op>.lua`` with ``envelope_lib.lua`` prepended, that checks every
+precondition itself, so no interleaving of workers can overshoot the budget. An envelope
+that was never reset is empty and an unreachable Redis refuses: the envelope fails closed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from pydantic import BaseModel, Field
+
+from config.keys import Keys
+from config.settings import NAME_RE
+from worker import procs
+from worker.receipts import STREAM_MAXLEN
+from worker.scripts import source
+
+if TYPE_CHECKING:
+    import redis
+    from redis.commands.core import Script
+
+    from config.settings import Settings
+
+Kind = Literal["model", "tool"]
+KINDS: tuple[Kind, ...] = ("model", "tool")
+# Lua numbers are doubles: beyond 2**53 the scripts' comparisons would stop being exact.
+MAX_UNITS = 2**53
+DEFAULT_REQUEST_TTL = 86_400
+_STATE_FIELDS = (
+    "remaining", "consumed_model", "consumed_tool", "reserved_model", "reserved_tool",
+    "max_model", "max_tool", "budget",
+)  # fmt: skip
+
+
+class EnvelopeState(BaseModel):
+    """What is left and what was spent. ``model_dump()`` is the CLI's state JSON."""
+
+    remaining: int = 0
+    consumed_model: int = 0
+    consumed_tool: int = 0
+    reserved_model: int = 0
+    reserved_tool: int = 0
+    max_model: int | None = None
+    max_tool: int | None = None
+    budget: int = 0
+    # True when a request id was seen before and this is its first answer, replayed.
+    replayed: bool = Field(False, exclude=True)
+
+
+class EnvelopeRefused(Exception):
+    """A call was not allowed. Catch this to halt on any refusal, Redis outage included."""
+
+    kind: str
+
+
+class EnvelopeEmpty(EnvelopeRefused):
+    """The envelope refused a call: empty, never reset, short of units, or a per-kind cap.
+
+    ``reason`` is ``empty``, ``unknown``, ``short`` or ``cap``; ``state`` is the envelope as
+    the refusing script saw it.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        remaining: int,
+        *,
+        reason: str = "empty",
+        units: int = 1,
+        state: EnvelopeState | None = None,
+    ) -> None:
+        self.kind = kind
+        self.remaining = remaining
+        self.reason = reason
+        self.units = units
+        self.state = state or EnvelopeState(remaining=remaining)
+        super().__init__(refusal_message(kind, remaining, reason, units, self.state))
+
+    def public(self) -> dict[str, Any]:
+        """The CLI's error JSON."""
+        return {"error": str(self), "remaining": self.remaining, "kind": self.kind}
+
+
+class EnvelopeUnavailable(EnvelopeRefused):
+    """Redis could not be asked, so the call is refused (fail closed)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.kind = kind
+        self.remaining: int | None = None
+        self.detail = detail
+        super().__init__(f"envelope unavailable; refused {kind} call; Redis unreachable: {detail}")
+
+
+class ReservationLost(Exception):
+    """A commit found no open reservation: it expired (and was refunded), was already
+    settled, or the envelope was reset since."""
+
+    def __init__(self, reservation: Reservation) -> None:
+        super().__init__(f"reservation {reservation.id} is no longer open")
+        self.reservation = reservation
+
+
+def refusal_message(
+    kind: str, remaining: int, reason: str, units: int, state: EnvelopeState
+) -> str:
+    """One line saying why a ``kind`` call was refused."""
+    if reason == "short":
+        what = f"short of {units} units"
+    elif reason == "cap":
+        what = f"{kind} cap reached (max_{kind}={getattr(state, f'max_{kind}')})"
+    else:
+        what = "empty"
+    return f"envelope {what}; refused {kind} call; remaining={remaining}"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Units held by :meth:`CallEnvelope.reserve` until committed or expired."""
+
+    id: str
+    kind: Kind
+    units: int
+    expires_ms: int
+    state: EnvelopeState
+
+    @property
+    def member(self) -> str:
+        """The reservation as the scripts store it."""
+        return f"{self.id}|{self.kind}|{self.units}"
+
+
+class CallEnvelope:
+    """A named, shared budget of calls on one Redis; every method is one atomic script.
+
+    ``redis_client`` may decode responses or not. ``namespace=None`` means the configured
+    ``OVERNIGHT_NAMESPACE``. ``task_id``/``lease_id`` only label receipts.
+    """
+
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        name: str = "default",
+        namespace: str | None = None,
+        *,
+        request_ttl: int | None = None,
+        task_id: str | None = None,
+        lease_id: str | None = None,
+    ) -> None:
+        if not NAME_RE.match(name):
+            raise ValueError(f"bad envelope name {name!r}: letters, digits, '.', '_', '-'")
+        if namespace is None or request_ttl is None:
+            settings = _settings(required=namespace is None)
+            if namespace is None:
+                namespace = settings.namespace if settings else "overnight"
+            if request_ttl is None:
+                request_ttl = settings.request_id_ttl if settings else DEFAULT_REQUEST_TTL
+        self.client = redis_client
+        self.name = name
+        self.namespace = namespace
+        self.keys = Keys(namespace)
+        self.request_ttl = request_ttl
+        k = self.keys
+        self._keys = [k.envelope(name), k.envelope_reservations(name), k.receipts]
+        self._context: list[str | int] = [
+            name,
+            procs.hostname(),
+            STREAM_MAXLEN,
+            task_id or "",
+            lease_id or "",
+        ]
+        self._consume = _register(redis_client, "consume")
+        self._reserve = _register(redis_client, "reserve")
+        self._commit = _register(redis_client, "commit")
+        self._reset = _register(redis_client, "reset")
+        self._status = _register(redis_client, "status")
+
+    @classmethod
+    def from_settings(
+        cls, name: str = "default", settings: Settings | None = None, **kwargs: Any
+    ) -> CallEnvelope:
+        """An envelope on ``OVERNIGHT_REDIS_URL`` in ``OVERNIGHT_NAMESPACE``."""
+        from config.connection import connect
+        from config.settings import load_settings
+
+        settings = settings or load_settings()
+        return cls(
+            connect(settings),
+            name,
+            settings.namespace,
+            request_ttl=settings.request_id_ttl,
+            **kwargs,
+        )
+
+    def reset(
+        self, n: int, *, max_model: int | None = None, max_tool: int | None = None
+    ) -> EnvelopeState:
+        """Set ``remaining`` to ``n`` and the consumed counters to 0; caps are set or cleared.
+
+        Open reservations are dropped. Raises ``ValueError`` for ``n < 0`` or a negative cap.
+        """
+        for label, value in (("n", n), ("max_model", max_model), ("max_tool", max_tool)):
+            if value is not None:
+                _check_units(label, value, minimum=0)
+        args: list[str | int] = [n, _opt(max_model), _opt(max_tool)]
+        return self._run(self._reset, "reset", self._keys, args).state
+
+    def snapshot(self) -> EnvelopeState:
+        """The current state (all zero for an envelope that was never reset)."""
+        reply = self._run(self._status, "status", self._keys[:2], [], context=False, refuse=False)
+        return reply.state
+
+    def try_consume(
+        self,
+        kind: str,
+        request_id: str | None = None,
+        *,
+        units: int = 1,
+        dry_run: bool = False,
+    ) -> EnvelopeState:
+        """Take ``units`` of ``kind`` (``model`` or ``tool``) or raise :class:`EnvelopeEmpty`.
+
+        With ``request_id``, a repeat gets the first answer again (allowed or refused) and
+        consumes nothing more, for ``request_ttl`` seconds. ``dry_run`` answers the same way
+        but changes nothing. Raises :class:`EnvelopeUnavailable` if Redis cannot be asked.
+        """
+        _check_kind(kind)
+        _check_units("units", units)
+        keys = self._keys_for(request_id)
+        args: list[str | int] = [kind, units, "1" if dry_run else "0", self.request_ttl, request_id or ""]
+        return self._run(self._consume, kind, keys, args, units).state
+
+    def reserve(
+        self, kind: str, units: int, *, ttl: float = 300.0, request_id: str | None = None
+    ) -> Reservation:
+        """Hold the worst case of a call before making it; settle with :meth:`commit`.
+
+        If not committed within ``ttl`` seconds the units return to the envelope.
+        Raises :class:`EnvelopeEmpty` when the worst case does not fit.
+        """
+        _check_kind(kind)
+        _check_units("units", units)
+        ttl_ms = int(ttl * 1000)
+        if ttl_ms < 1:
+            raise ValueError("ttl must be at least 1 ms")
+        rsv_id = uuid.uuid4().hex
+        keys = self._keys_for(request_id)
+        args: list[str | int] = [kind, units, rsv_id, ttl_ms, self.request_ttl, request_id or ""]
+        reply = self._run(self._reserve, kind, keys, args, units)
+        member, expires = reply.extra
+        rsv_id, _, _ = member.split("|")
+        return Reservation(rsv_id, cast(Kind, kind), units, int(expires), reply.state)
+
+    def commit(self, reservation: Reservation, actual: int) -> EnvelopeState:
+        """Charge ``actual`` units (0..reserved) and give back the rest; once per reservation.
+
+        Raises :class:`ReservationLost` if the reservation is no longer open.
+        """
+        _check_units("actual", actual, minimum=0, maximum=reservation.units)
+        args: list[str | int] = [reservation.member, actual]
+        keys = self._keys[:2]
+        reply = self._run(self._commit, reservation.kind, keys, args, context=False, refuse=False)
+        if not reply.allowed:
+            raise ReservationLost(reservation)
+        return reply.state
+
+    def release(self, reservation: Reservation) -> EnvelopeState:
+        """Give a reservation back whole (the call was not made)."""
+        return self.commit(reservation, 0)
+
+    def guard(
+        self, kind: str, request_id: str | None = None
+    ) -> AbstractContextManager[EnvelopeState]:
+        """``with envelope.guard("tool"):`` consumes one unit before the body, or raises."""
+        return _guard(self, kind, request_id)
+
+    def _keys_for(self, request_id: str | None) -> list[str]:
+        if request_id is None:
+            return self._keys
+        if not request_id or len(request_id) > 256:
+            raise ValueError("request_id must be 1-256 characters")
+        return [*self._keys, self.keys.envelope_request(self.name, request_id)]
+
+    def _run(
+        self,
+        script: Script,
+        kind: str,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        units: int = 1,
+        *,
+        context: bool = True,
+        refuse: bool = True,
+    ) -> _Reply:
+        import redis
+
+        try:
+            raw = script(keys=keys, args=[*self._context, *args] if context else args)
+        except redis.RedisError as exc:
+            raise EnvelopeUnavailable(kind, " ".join(str(exc).split())) from exc
+        reply = _Reply.parse(raw)
+        if reply.reason.startswith("bad-"):
+            raise ValueError(f"envelope refused the arguments: {reply.reason}")
+        if refuse and not reply.allowed:
+            rem = reply.state.remaining
+            raise EnvelopeEmpty(kind, rem, reason=reply.reason, units=units, state=reply.state)
+        return reply
+
+
+@dataclass(frozen=True)
+class _Reply:
+    allowed: bool
+    reason: str
+    state: EnvelopeState
+    extra: tuple[str, str]
+
+    @classmethod
+    def parse(cls, raw: Any) -> _Reply:
+        values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
+        if len(values) < 3 + len(_STATE_FIELDS) + 2:
+            return cls(False, values[2], EnvelopeState(), ("", ""))
+        fields = values[3 : 3 + len(_STATE_FIELDS)]
+        data: dict[str, Any] = {
+            name: (int(v) if v != "" else (None if name.startswith("max_") else 0))
+            for name, v in zip(_STATE_FIELDS, fields, strict=True)
+        }
+        state = EnvelopeState.model_construct(**data, replayed=values[0] == "1")
+        return cls(values[1] == "1", values[2], state, (values[-2], values[-1]))
+
+
+@contextmanager
+def _guard(envelope: CallEnvelope, kind: str, request_id: str | None) -> Iterator[EnvelopeState]:
+    yield envelope.try_consume(kind, request_id)
+
+
+def _register(client: redis.Redis, op: str) -> Script:
+    # register_script returns a Script that reloads itself after NOSCRIPT (a Redis restart).
+    return client.register_script(source("envelope_lib") + "\n" + source(f"envelope_{op}"))
+
+
+def _settings(*, required: bool) -> Settings | None:
+    from config.settings import ConfigError, load_settings
+
+    try:
+        return load_settings()
+    except ConfigError:
+        if required:
+            raise
+        return None
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be 'model' or 'tool', not {kind!r}")
+
+
+def _check_units(label: str, value: int, *, minimum: int = 1, maximum: int = MAX_UNITS) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label} must be a whole number, not {value!r}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{label} must be between {minimum} and {maximum}, not {value}")
+
+
+def _opt(value: int | None) -> int | str:
+    return "" if value is None else value
