@@ -1,0 +1,364 @@
+"""The turn loop of one task: agent step, then every verifier rule, until a machine says done.
+
+Each step is charged first (the task's own ``max_calls``, then the shared envelope, both
+under a request id fixed by (task, run, turn, step) so a repeated step is never charged
+twice), recorded as in flight, run, and recorded as ended: a checkpoint after every
+step. The loop holds the task through its claim; a :class:`ClaimKeeper` thread renews it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.steps import StepOutcome, StepRequest, StepRunner, child_env
+from coordinator.taskfile import TaskSpec
+from coordinator.taskstore import (
+    PAUSED,
+    AgentResult,
+    Checkpoint,
+    InFlight,
+    Memory,
+    RuleResult,
+    Runner,
+    TaskRecord,
+    TaskStore,
+    Verdict,
+    receipt_body,
+)
+
+log = logging.getLogger("overnight.loop")
+
+STUCK_TURNS = 3
+MAX_PROMPT_ARG = 100_000  # bytes; Linux refuses a single argv/env string over 128 KiB
+MODEL_STEP = [sys.executable, "-m", "coordinator.model_step"]
+
+
+class CallRefused(Exception):
+    """A call was refused: ``who`` is ``task`` (its max_calls) or ``envelope``."""
+
+    def __init__(self, who: str, detail: str) -> None:
+        super().__init__(detail)
+        self.who = who
+        self.detail = detail
+
+
+class ClaimLost(Exception):
+    """The task's claim is gone: another worker, a recovery pass or an abort took over."""
+
+
+# (envelope name, kind, request id) -> None, or raise CallRefused.
+Consume = Callable[[str, str, str], None]
+
+
+@dataclass
+class LoopConfig:
+    """Knobs from settings that the loop needs."""
+
+    default_deadline: float = 180.0
+    default_gap: float = 30.0
+    grace: float = 5.0
+    claim_ttl: float = 15.0
+    max_lost_leases: int = 3
+    prompt_dir: Path = Path("/tmp/overnight")
+
+
+def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
+    """The assignment, and once a verdict failed: exactly the unmet rules and the evidence."""
+    parts = [f"Assignment:\n{spec.assignment.strip()}\n"]
+    if memory is not None:
+        runs = {rule.name: " ".join(rule.run) for rule in spec.verifier}
+        unmet = "\n".join(f"- {name}: `{runs.get(name, '?')}`" for name in memory.unmet)
+        parts.append(f"These checks still fail; you are done only when they pass:\n{unmet}\n")
+        how = f" ({memory.note})" if memory.note else ""
+        evidence = memory.evidence.strip() or "(no output)"
+        parts.append(
+            f"Output of the first failing check, {memory.rule}{how}, last lines:\n{evidence}\n"
+        )
+    return "\n".join(parts)
+
+
+def lost_step_decision(cp: Checkpoint, on_unknown: str, cap: int) -> tuple[str, str]:
+    """What a task whose worker died becomes: ``(state, detail)``; counts the loss."""
+    cp.lost_leases += 1
+    flight = cp.in_flight
+    if cp.lost_leases >= cap:
+        return PAUSED, f"lost {cp.lost_leases} runs (cap {cap}); reconcile to go on"
+    if flight is None:
+        return "queued", "worker died between steps; resuming from the checkpoint"
+    what = f"{flight.name} step of turn {flight.turn}"
+    if on_unknown == "pause":
+        return PAUSED, f"outcome of the {what} is unknown: its worker died"
+    cp.in_flight = None
+    return "queued", f"retrying the {what} after its worker died"
+
+
+def _clip(text: str, limit: int = MAX_PROMPT_ARG) -> str:
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    note = "\n[prompt truncated; the full prompt is in $OVERNIGHT_PROMPT_FILE]\n"
+    return raw[: limit - len(note)].decode("utf-8", "ignore") + note
+
+
+class ClaimKeeper(threading.Thread):
+    """Renews a task claim every third of its TTL; sets ``lost`` when it cannot."""
+
+    def __init__(self, store: TaskStore, task_id: str, token: str, ttl: float) -> None:
+        super().__init__(name=f"claim-{task_id}", daemon=True)
+        self.store, self.task_id, self.token, self.ttl = store, task_id, token, ttl
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        last_ok = time.monotonic()
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                if not self.store.renew(self.task_id, self.token, self.ttl):
+                    self.lost.set()
+                    return
+                last_ok = time.monotonic()
+            except Exception as exc:  # Redis away: the claim lapses on the server too
+                if time.monotonic() - last_ok > self.ttl:
+                    log.warning("task %s: claim lost: %s", self.task_id, exc)
+                    self.lost.set()
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class TaskLoop:
+    """Runs one attempt of one task to a terminal state, a pause, or the loss of its claim."""
+
+    def __init__(
+        self,
+        store: TaskStore,
+        runner: StepRunner,
+        consume: Consume,
+        config: LoopConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store, self.runner, self.consume, self.config = store, runner, consume, config
+        self.clock = clock
+        self.token = uuid.uuid4().hex
+        self.keeper: ClaimKeeper | None = None
+
+    def run(self, task_id: str, attempt: int, runner: Runner) -> str:
+        """Claim the task and loop; returns the state it was left in (or why it was not run)."""
+        rec, why = self.store.claim(task_id, attempt, self.token, self.config.claim_ttl, runner)
+        if rec is None:
+            log.info("task %s attempt %s: not run: %s", task_id, attempt, why)
+            return f"skipped:{why}"
+        self.keeper = ClaimKeeper(self.store, task_id, self.token, self.config.claim_ttl)
+        self.keeper.start()
+        try:
+            return self._loop(rec)
+        finally:
+            self.keeper.stop()
+
+    # --- the loop ----------------------------------------------------------------------
+    def _loop(self, rec: TaskRecord) -> str:
+        spec, cp = rec.spec, rec.checkpoint
+        if cp.in_flight is not None:
+            state, detail = lost_step_decision(cp, spec.on_unknown, self.config.max_lost_leases)
+            if state == PAUSED:
+                return self._end(rec, cp, PAUSED, detail)
+            cp.in_flight = None
+        deadline = (rec.started_unix or self.clock()) + spec.deadline
+        while True:
+            if self.keeper is not None and self.keeper.lost.is_set():
+                return "lost"
+            left = deadline - self.clock()
+            if left <= 0:
+                return self._end(rec, cp, "expired", f"task deadline of {spec.deadline:g}s passed")
+            name = "agent" if cp.step == 0 else spec.verifier[cp.step - 1].name
+            request_id = f"{rec.id}:{rec.run}:{cp.turn}:{cp.step}"
+            try:
+                self._charge(rec, "model" if cp.step == 0 else "tool", request_id)
+            except ClaimLost:
+                return "lost"
+            except CallRefused as exc:
+                body = receipt_body(rec.id, who=exc.who, detail=exc.detail, step=name, turn=cp.turn)
+                return self._end(
+                    rec, cp, "halted_at_call_ceiling", exc.detail, [("call_refused", body)]
+                )
+            if cp.step == 0:
+                cp.turns = cp.turn
+            cp.in_flight = InFlight(
+                turn=cp.turn,
+                step=cp.step,
+                name=name,
+                request_id=request_id,
+                started_unix=self.clock(),
+            )
+            if not self._save(rec, cp):
+                return "lost"
+            outcome = self.runner(self._request(rec, cp, min(left, self._step_deadline(spec))))
+            cp.in_flight = None
+            result = self._record(rec, cp, name, outcome)
+            if result is not None:
+                return result
+
+    def _record(self, rec: TaskRecord, cp: Checkpoint, name: str, out: StepOutcome) -> str | None:
+        spec = rec.spec
+        receipts = [
+            (
+                "step_finished",
+                receipt_body(
+                    rec.id,
+                    out.lease_id,
+                    step=name,
+                    turn=cp.turn,
+                    exit_code=out.exit_code,
+                    status=out.status,
+                    note=out.note,
+                    digest=out.digest,
+                ),
+            )
+        ]
+        if cp.step == 0:
+            cp.agent = AgentResult(
+                exit_code=out.exit_code,
+                note=out.note,
+                lease_id=out.lease_id,
+                digest=out.digest,
+                tail=out.tail,
+            )
+        else:
+            cp.results.append(
+                RuleResult(
+                    name=name,
+                    passed=out.passed,
+                    exit_code=out.exit_code,
+                    note=out.note,
+                    lease_id=out.lease_id,
+                    tail=out.tail,
+                )
+            )
+        started = rec.started_unix or self.clock()
+        if out.status == "expired" and self.clock() >= started + spec.deadline:
+            detail = f"task deadline of {spec.deadline:g}s passed during the {name} step"
+            return self._end(rec, cp, "expired", detail, receipts)
+        cp.step += 1
+        if cp.step <= len(spec.verifier):
+            return None if self._save(rec, cp, receipts=receipts) else "lost"
+        verdict = Verdict(
+            turn=cp.turn,
+            passed=[r.name for r in cp.results if r.passed],
+            failed=[r.name for r in cp.results if not r.passed],
+        )
+        cp.last_verdict = verdict
+        receipts.append(("verdict", receipt_body(rec.id, **verdict.model_dump(), ok=verdict.ok)))
+        if verdict.ok:
+            return self._end(rec, cp, "finished_verified", "every rule passed", receipts)
+        first = next(r for r in cp.results if not r.passed)
+        cp.memory = Memory(
+            unmet=verdict.failed, rule=first.name, note=first.note, evidence=first.tail
+        )
+        agent_digest = cp.agent.digest if cp.agent else ""
+        fingerprint = hashlib.sha256(f"{agent_digest}|{verdict.failed}".encode()).hexdigest()[:32]
+        cp.repeats = cp.repeats + 1 if fingerprint == cp.fingerprint else 1
+        cp.fingerprint = fingerprint
+        if cp.repeats >= STUCK_TURNS:
+            detail = f"same agent output and same verdict {cp.repeats} turns running"
+            receipts.append(("task_stuck", receipt_body(rec.id, turn=cp.turn, detail=detail)))
+            return self._end(rec, cp, "halted_stuck", detail, receipts)
+        cp.turn, cp.step, cp.agent, cp.results = cp.turn + 1, 0, None, []
+        return None if self._save(rec, cp, receipts=receipts) else "lost"
+
+    # --- helpers -----------------------------------------------------------------------
+    def _charge(self, rec: TaskRecord, kind: str, request_id: str) -> None:
+        spec = rec.spec
+        result, _used = self.store.charge(rec.id, self.token, request_id, spec.max_calls)
+        if result == "ceiling":
+            raise CallRefused(
+                "task", f"task max_calls ({spec.max_calls}) reached; refused {kind} call"
+            )
+        if result == "lost":
+            raise ClaimLost(rec.id)
+        try:
+            self.consume(spec.envelope, kind, request_id)
+        except CallRefused:
+            self.store.uncharge(rec.id, self.token, request_id)
+            raise
+
+    def _step_deadline(self, spec: TaskSpec) -> float:
+        return spec.step_deadline(self.config.default_deadline)
+
+    def _request(self, rec: TaskRecord, cp: Checkpoint, deadline: float) -> StepRequest:
+        spec = rec.spec
+        gap = spec.step_gap(self.config.default_gap)
+        base = {"OVERNIGHT_TASK_ID": rec.id, "OVERNIGHT_TURN": str(cp.turn)}
+        if cp.step > 0:
+            rule = spec.verifier[cp.step - 1]
+            return StepRequest(
+                rec.id,
+                rule.name,
+                list(rule.run),
+                spec.workdir,
+                child_env(base, keep_model_key=False),
+                deadline,
+                gap,
+                self.config.grace,
+                beat_while_alive=True,
+            )
+        prompt = build_prompt(spec, cp.memory)
+        prompt_file = self.config.prompt_dir / f"{rec.id}.prompt.txt"
+        prompt_file.parent.mkdir(parents=True, exist_ok=True)
+        prompt_file.write_text(prompt, encoding="utf-8")
+        short = _clip(prompt)
+        argv = [a.replace("{prompt}", short) for a in spec.agent] if spec.agent else MODEL_STEP
+        env = {**base, "OVERNIGHT_PROMPT": short, "OVERNIGHT_PROMPT_FILE": str(prompt_file)}
+        return StepRequest(
+            rec.id,
+            "agent",
+            argv,
+            spec.workdir,
+            child_env(env, keep_model_key=spec.agent is None),
+            deadline,
+            gap,
+            self.config.grace,
+        )
+
+    def _save(
+        self, rec: TaskRecord, cp: Checkpoint, receipts: list[tuple[str, str]] | None = None
+    ) -> bool:
+        ok, why = self.store.save(rec.id, self.token, cp, receipts=receipts or [])
+        if not ok:
+            log.warning("task %s: checkpoint refused (%s); stopping", rec.id, why)
+        return ok
+
+    def _end(
+        self,
+        rec: TaskRecord,
+        cp: Checkpoint,
+        state: str,
+        detail: str,
+        receipts: list[tuple[str, str]] | None = None,
+    ) -> str:
+        body = receipt_body(
+            rec.id,
+            state=state,
+            detail=detail,
+            turns=cp.turns,
+            attempt=rec.attempt,
+            last_verdict=cp.last_verdict.model_dump() if cp.last_verdict else None,
+        )
+        all_receipts = [*(receipts or []), ("task_state", body)]
+        ok, why = self.store.save(
+            rec.id, self.token, cp, state=state, detail=detail, receipts=all_receipts
+        )
+        if not ok:
+            log.warning("task %s: could not end as %s (%s)", rec.id, state, why)
+            return "lost"
+        log.info("task %s: %s (%s)", rec.id, state, detail)
+        return state

@@ -1,0 +1,154 @@
+"""Running one step (an agent step or a verifier rule) and capturing what it printed.
+
+The loop sees a step only through :data:`StepRunner`, so its logic is tested with plain
+subprocesses; in a worker every step runs under a lease through ``worker.supervisor``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import redis
+
+    from config.keys import Keys
+
+TAIL_LINES = 40
+TAIL_BYTES = 4000
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What to run for one step, and its lease limits."""
+
+    task_id: str
+    name: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    deadline: float
+    gap: float
+    grace: float
+    beat_while_alive: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How a step ended: the contract's ``supervise`` exit code and the lease's verdict."""
+
+    exit_code: int
+    status: str
+    note: str
+    lease_id: str | None
+    tail: str
+    digest: str
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass
+class OutputCapture:
+    """A bounded tail and a running digest of a step's output lines."""
+
+    max_lines: int = TAIL_LINES
+    max_bytes: int = TAIL_BYTES
+    _lines: deque[bytes] = field(default_factory=deque)
+    _hash: hashlib._Hash = field(default_factory=hashlib.sha256)
+
+    def __call__(self, line: bytes) -> None:
+        self._hash.update(line if line.endswith(b"\n") else line + b"\n")
+        self._lines.append(line.rstrip(b"\r\n")[: self.max_bytes])
+        while len(self._lines) > self.max_lines:
+            self._lines.popleft()
+
+    def tail(self) -> str:
+        text = b"\n".join(self._lines).decode("utf-8", "replace")
+        return text[-self.max_bytes :]
+
+    def digest(self, exit_code: int) -> str:
+        h = self._hash.copy()
+        h.update(f"\0exit={exit_code}".encode())
+        return h.hexdigest()[:32]
+
+
+StepRunner = Callable[[StepRequest], StepOutcome]
+
+
+def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
+    """Run each step under a lease, in this process (``worker.supervisor``)."""
+    from worker.supervisor import StepSpec, run_supervised
+
+    def run(req: StepRequest) -> StepOutcome:
+        capture = OutputCapture()
+        spec = StepSpec(
+            argv=req.argv,
+            deadline=req.deadline,
+            gap=req.gap,
+            grace=req.grace,
+            lease_id=None,
+            cwd=req.cwd,
+            env=req.env,
+            output_beats=True,
+            beat_while_alive=req.beat_while_alive,
+            lease_file=None,
+            task_id=req.task_id,
+        )
+        result = run_supervised(client, keys, spec, on_output=capture)
+        doc = result.doc
+        return StepOutcome(
+            exit_code=result.exit_code,
+            status=str(doc.status),
+            note=doc.note,
+            lease_id=doc.lease_id,
+            tail=capture.tail(),
+            digest=capture.digest(result.exit_code),
+        )
+
+    return run
+
+
+def plain_runner(req: StepRequest) -> StepOutcome:
+    """Run a step as a plain subprocess with only its deadline (no lease): for tests."""
+    capture = OutputCapture()
+    try:
+        proc = subprocess.run(
+            req.argv,
+            cwd=req.cwd,
+            env=req.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=req.deadline,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        for line in (exc.output or b"").splitlines():
+            capture(line)
+        return StepOutcome(2, "expired", "budget-exceeded", None, capture.tail(), capture.digest(2))
+    except OSError as exc:
+        capture(f"cannot start {req.argv[0]!r}: {exc.strerror or exc}".encode())
+        return StepOutcome(
+            127, "killed", "worker-exit-127", None, capture.tail(), capture.digest(127)
+        )
+    for line in proc.stdout.splitlines():
+        capture(line)
+    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    status, note = ("done", "worker-complete") if code == 0 else ("killed", f"worker-exit-{code}")
+    return StepOutcome(code, status, note, None, capture.tail(), capture.digest(code))
+
+
+def child_env(extra: dict[str, str], *, keep_model_key: bool) -> dict[str, str]:
+    """This process's environment plus ``extra``; the model API key only where it is needed."""
+    env = dict(os.environ)
+    if not keep_model_key:
+        env.pop("OVERNIGHT_MODEL_API_KEY", None)
+    env.update(extra)
+    return env
