@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     reaper_interval: float = Field(2.0, gt=0)
     reaper_host_ttl: float = Field(30.0, gt=0)
     max_lost_leases: int = Field(3, ge=1)
+    # A task's claim lapses this long after its worker stopped renewing it (the worker died);
+    # recovery passes (in every `overnight worker`) look for such tasks this often.
+    task_claim_ttl: float = Field(15.0, gt=0)
+    recovery_interval: float = Field(5.0, gt=0)
 
     @field_validator("redis_url")
     @classmethod
