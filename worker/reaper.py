@@ -1,0 +1,538 @@
+"""The reaper: ends leases whose liveness key lapsed, and kills the trees they named.
+
+A pass reads the expiry index up to Redis server time (O(log N + lapsed), no KEYS, no
+SCAN), looks at each lapsed lease once, lets the pure :func:`decide` say what to do, and
+then acts: kill first, end second. The end goes through ``lease_end.lua`` with
+``only_if_lapsed``, so a supervisor that is merely slow and a reaper (or two reapers)
+never both end a lease; whoever loses is refused and does nothing more.
+
+Nothing is signalled before the process is shown to be the one the lease named: the
+holder by pid + start time + boot id, escaped descendants by the ``OVERNIGHT_LEASE_ID``
+tag in their environment, and every signal goes through a pidfd opened after that check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import ValidationError
+
+from config.keys import Keys
+from worker import procs
+from worker.lease import LeaseDoc, LeaseRefused, Leases, Status, lapse_reason
+from worker.scripts import register
+
+if TYPE_CHECKING:
+    import redis
+
+log = logging.getLogger("overnight.reaper")
+
+RECEIPT_KIND = "subprocess_lease_expired"
+# Lapsed leases read per round trip; a pass pages through all of them.
+PAGE = 1000
+# A live supervisor gets this long past its grace to end its own lapsed lease.
+SUPERVISOR_SLACK = 2.0
+
+Action = Literal["skip", "prune", "reap", "end"]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a pass observed about one lapsed lease: the whole input of :func:`decide`."""
+
+    doc: LeaseDoc | None
+    alive: bool = False
+    host_reaper_live: bool = False
+    holder_same: bool = False
+    holder_exists: bool = False
+    supervisor_present: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one lapsed lease. ``why`` is a short word for logs and reports."""
+
+    action: Action
+    why: str
+    status: Status | None = None
+    note: str = ""
+    signal_group: bool = False
+
+
+def decide(facts: Facts, *, host: str, boot: str, now: float, hold_off: float) -> Decision:
+    """The reaper's rule for one lease found in the expiry index. Pure: no Redis, no /proc.
+
+    ``now`` is Redis server time; ``hold_off`` is how long past its lapse a supervisor
+    that is still present is left to end its own lease before the reaper steps in.
+    """
+    doc = facts.doc
+    if doc is None:
+        return Decision("prune", "no-document")
+    if doc.status != "running":
+        return Decision("prune", f"already-{doc.status}")
+    if facts.alive:
+        return Decision("skip", "alive")
+    if doc.host != host:
+        if facts.host_reaper_live:
+            return Decision("skip", "host-has-reaper")
+        return Decision("end", "host-lost", "killed", "reaped: host-lost")
+    status: Status = "expired" if now >= doc.deadline_unix else "killed"
+    cause = lapse_reason(doc, now) or "lapsed"
+    if doc.boot_id and boot and doc.boot_id != boot:
+        return Decision("end", "host-rebooted", status, f"reaped: {cause}, host-rebooted")
+    if facts.supervisor_present and now < doc.lapse_unix + hold_off:
+        return Decision("skip", "supervisor-acting")
+    if doc.holder_pid <= 0:
+        why = "never-attached"
+    elif facts.holder_same:
+        why = "supervisor-stuck" if facts.supervisor_present else "supervisor-gone"
+    elif facts.holder_exists:
+        why = "pid-reused"
+    else:
+        why = "child-gone"
+    return Decision("reap", why, status, f"reaped: {cause}, {why}", signal_group=facts.holder_same)
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One thing a pass did to one lease."""
+
+    lease_id: str
+    host: str
+    pid: int
+    outcome: str  # reaped | ended | refused | pruned | failed
+    why: str
+    status: str | None = None
+    note: str = ""
+    signalled: int = 0
+
+
+@dataclass
+class PassReport:
+    """The result of one pass."""
+
+    host: str
+    lapsed: int = 0
+    skipped: int = 0
+    ended: int = 0
+    refused: int = 0
+    pruned: int = 0
+    failed: int = 0
+    signalled: int = 0
+    survivors: int = 0
+    seconds: float = 0.0
+    actions: list[ActionRecord] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line for the log."""
+        return (
+            f"pass host={self.host} lapsed={self.lapsed} ended={self.ended} "
+            f"skipped={self.skipped} refused={self.refused} pruned={self.pruned} "
+            f"failed={self.failed} signalled={self.signalled} survivors={self.survivors} "
+            f"in {self.seconds * 1000:.1f}ms"
+        )
+
+
+def announce(client: redis.Redis, keys: Keys, host: str, ttl: float) -> None:
+    """Renew this host's reaper heartbeat key: a live reaper runs on ``host``."""
+    client.set(keys.reaper_host(host), str(os.getpid()), px=max(1, int(ttl * 1000)))
+
+
+def reap_once(
+    client: redis.Redis,
+    keys: Keys,
+    *,
+    grace: float = 5.0,
+    host: str | None = None,
+    host_ttl: float | None = 30.0,
+    hold_off: float | None = None,
+    page: int = PAGE,
+    stop: threading.Event | None = None,
+) -> PassReport:
+    """One reaper pass over the lapsed leases of the namespace; returns what it did.
+
+    Renews this host's reaper key (unless ``host_ttl`` is None), kills the trees of this
+    host's lapsed leases (SIGTERM, up to ``grace`` seconds, SIGKILL), then ends each lease
+    ``expired``/``killed`` with a ``reaped:`` note, and ends leases of hosts without a
+    live reaper as ``killed``/``reaped: host-lost``. Raises redis errors to the caller.
+    """
+    started = time.monotonic()
+    host = host or procs.hostname()
+    report = PassReport(host=host)
+    if host_ttl is not None:
+        announce(client, keys, host, host_ttl)
+    leases = Leases(client, keys)
+    prune = register(client, "reaper_prune")
+    hold = grace + SUPERVISOR_SLACK if hold_off is None else hold_off
+    offset = 0
+    while stop is None or not stop.is_set():
+        secs, micros = client.time()
+        now = int(secs) + int(micros) / 1e6
+        raw = client.zrangebyscore(
+            keys.lease_expiry, "-inf", int(now * 1000), start=offset, num=page
+        )
+        ids = [_text(i) for i in raw]
+        if not ids:
+            break
+        left = _reap_batch(client, keys, leases, prune, ids, now, host, grace, hold, report)
+        if len(ids) < page:
+            break
+        offset += left
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _reap_batch(
+    client: redis.Redis,
+    keys: Keys,
+    leases: Leases,
+    prune: Any,
+    ids: list[str],
+    now: float,
+    host: str,
+    grace: float,
+    hold_off: float,
+    report: PassReport,
+) -> int:
+    """Decide and act on one page of lapsed ids; returns how many stay in the index."""
+    report.lapsed += len(ids)
+    pipe = client.pipeline(transaction=False)
+    for lease_id in ids:
+        pipe.hgetall(keys.lease(lease_id))
+        pipe.exists(keys.lease_alive(lease_id))
+    rows = pipe.execute()
+    docs = [_parse(lease_id, raw) for lease_id, raw in zip(ids, rows[0::2], strict=True)]
+    unreadable = {i for i, d, raw in zip(ids, docs, rows[0::2], strict=True) if raw and d is None}
+    alive = [bool(n) for n in rows[1::2]]
+    others = sorted({d.host for d in docs if d is not None and d.host != host})
+    live_hosts = _live_reaper_hosts(client, keys, others)
+    boot = procs.boot_id()
+
+    decisions: list[tuple[str, LeaseDoc | None, Decision]] = []
+    for lease_id, doc, is_alive in zip(ids, docs, alive, strict=True):
+        facts = Facts(
+            doc=doc, alive=is_alive, host_reaper_live=bool(doc and doc.host in live_hosts)
+        )
+        if doc is not None and doc.host == host and not is_alive and doc.status == "running":
+            facts = _observe(doc, facts)
+        if lease_id in unreadable:
+            d = Decision("skip", "unreadable-document")
+        else:
+            d = decide(facts, host=host, boot=boot, now=now, hold_off=hold_off)
+        decisions.append((lease_id, doc, d))
+
+    to_kill = [(doc, d) for _, doc, d in decisions if d.action == "reap" and doc is not None]
+    signalled: dict[str, int] = {}
+    if to_kill:
+        signalled, survivors = _kill_trees(to_kill, grace)
+        report.signalled += sum(signalled.values())
+        report.survivors += survivors
+
+    left = 0
+    for lease_id, doc, d in decisions:
+        if d.action == "skip":
+            report.skipped += 1
+            left += 1
+            continue
+        if d.action == "prune":
+            _prune(client, keys, prune, lease_id, d, report)
+            continue
+        assert doc is not None and d.status is not None
+        _end(leases, doc, d, signalled.get(doc.lease_id, 0), report)
+    return left
+
+
+def _live_reaper_hosts(client: redis.Redis, keys: Keys, hosts: list[str]) -> set[str]:
+    if not hosts:
+        return set()
+    pipe = client.pipeline(transaction=False)
+    for other in hosts:
+        pipe.exists(keys.reaper_host(other))
+    return {h for h, n in zip(hosts, pipe.execute(), strict=True) if n}
+
+
+def _observe(doc: LeaseDoc, facts: Facts) -> Facts:
+    """Fill in what /proc says about this host's lease: is the holder the same process, and
+    is its supervisor still around (the holder's parent, or at least a live pid)."""
+    same = procs.is_same_process(doc.holder_pid, doc.child_start_ticks, doc.boot_id)
+    holder = proc_stat(doc.holder_pid) if doc.holder_pid > 0 else None
+    exists = holder is not None and holder.state not in ("Z", "X")
+    sup = proc_stat(doc.supervisor_pid) if doc.supervisor_pid > 0 else None
+    present = sup is not None and sup.state not in ("Z", "X")
+    if present and same and holder is not None:
+        # A dead supervisor's child is re-parented at once, so its parent pid tells.
+        present = holder.ppid == doc.supervisor_pid
+    return Facts(
+        doc=doc,
+        alive=facts.alive,
+        host_reaper_live=facts.host_reaper_live,
+        holder_same=same,
+        holder_exists=exists,
+        supervisor_present=present,
+    )
+
+
+def _kill_trees(
+    targets: list[tuple[LeaseDoc, Decision]], grace: float
+) -> tuple[dict[str, int], int]:
+    """SIGTERM every tree, wait up to ``grace`` for all of them, SIGKILL what is left."""
+    groups = {doc.lease_id: doc.pgid for doc, d in targets if d.signal_group and doc.pgid > 0}
+    holders = {doc.lease_id: (doc.holder_pid, doc.child_start_ticks) for doc, _ in targets}
+    tree = _Tree(tags={doc.lease_id for doc, _ in targets}, groups=groups, holders=holders)
+    tree.signal(signal.SIGTERM)
+    tree.wait(grace)
+    tree.signal(signal.SIGKILL)
+    tree.wait(1.0)
+    survivors = tree.alive()
+    for doc, _ in targets:
+        for pid in survivors.get(doc.lease_id, []):
+            log.error("lease=%s host=%s pid=%d survived SIGKILL", doc.lease_id, doc.host, pid)
+    counts = tree.counts()
+    tree.close()
+    return counts, sum(len(p) for p in survivors.values())
+
+
+def _end(leases: Leases, doc: LeaseDoc, d: Decision, signalled: int, report: PassReport) -> None:
+    assert d.status is not None
+    try:
+        leases.end(doc.lease_id, doc.token, d.status, d.note, only_if_lapsed=True,
+                   writer="reaper", receipt_kind=RECEIPT_KIND)  # fmt: skip
+    except LeaseRefused as exc:
+        report.refused += 1
+        report.actions.append(ActionRecord(doc.lease_id, doc.host, doc.holder_pid, "refused",
+                                           exc.reason, signalled=signalled))  # fmt: skip
+        log.info("lease=%s host=%s pid=%d not ended: %s (someone else ended it first)",
+                 doc.lease_id, doc.host, doc.holder_pid, exc.reason)  # fmt: skip
+        return
+    report.ended += 1
+    outcome = "reaped" if d.action == "reap" else "ended"
+    report.actions.append(ActionRecord(doc.lease_id, doc.host, doc.holder_pid, outcome, d.why,
+                                       d.status, d.note, signalled))  # fmt: skip
+    log.info("lease=%s host=%s pid=%d %s status=%s note=%r signalled=%d", doc.lease_id,
+             doc.host, doc.holder_pid, outcome, d.status, d.note, signalled)  # fmt: skip
+
+
+def _prune(
+    client: redis.Redis, keys: Keys, prune: Any, lease_id: str, d: Decision, report: PassReport
+) -> None:
+    res = prune(keys=[keys.lease(lease_id), keys.lease_expiry], args=[lease_id])
+    if int(res[0]) == 1:
+        report.pruned += 1
+        report.actions.append(ActionRecord(lease_id, "", 0, "pruned", d.why))
+        log.info("lease=%s dropped from the expiry index: %s", lease_id, d.why)
+
+
+def run(
+    client: redis.Redis,
+    keys: Keys,
+    *,
+    interval: float,
+    grace: float,
+    host_ttl: float,
+    stop: threading.Event,
+    once: bool = False,
+) -> None:
+    """Pass every ``interval`` seconds until ``stop`` is set (or once). A Redis outage is
+    logged and retried; with ``once`` it is raised."""
+    import redis as redis_mod
+
+    down = False
+    while not stop.is_set():
+        began = time.monotonic()
+        try:
+            report = reap_once(client, keys, grace=grace, host_ttl=host_ttl, stop=stop)
+        except (redis_mod.ConnectionError, redis_mod.TimeoutError) as exc:
+            if once:
+                raise
+            if not down:
+                log.warning("host=%s Redis unreachable (%s); retrying every %.1fs",
+                            procs.hostname(), type(exc).__name__, interval)  # fmt: skip
+            down = True
+        else:
+            if down:
+                log.info("host=%s Redis reachable again", procs.hostname())
+                down = False
+            log.debug("%s", report.summary())
+        if once:
+            return
+        stop.wait(max(0.0, interval - (time.monotonic() - began)))
+
+
+def _parse(lease_id: str, raw: dict[Any, Any]) -> LeaseDoc | None:
+    if not raw:
+        return None
+    try:
+        return LeaseDoc.from_hash(raw)
+    except ValidationError:
+        if lease_id not in _unreadable:
+            _unreadable.add(lease_id)
+            log.warning("lease=%s has an unreadable document; left alone", lease_id)
+        return None
+
+
+_unreadable: set[str] = set()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# --- process trees -------------------------------------------------------------------------
+# Kept here until worker/tree.py offers the same; see the module docstring for the rules.
+
+TAG = b"OVERNIGHT_LEASE_ID="
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` the reaper needs."""
+
+    pid: int
+    state: str
+    ppid: int
+    pgrp: int
+    sid: int
+    ticks: int
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """``/proc/PID/stat`` of a process, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: split after its last ')'.
+    f = raw.rsplit(b")", 1)[1].split()
+    return ProcStat(pid, f[0].decode(), int(f[1]), int(f[2]), int(f[3]), int(f[19]))
+
+
+def lease_tag(pid: int) -> str | None:
+    """The ``OVERNIGHT_LEASE_ID`` in a process's environment, or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read()
+    except OSError:
+        return None
+    at = env.find(TAG)
+    while at > 0 and env[at - 1] != 0:
+        at = env.find(TAG, at + 1)
+    if at < 0:
+        return None
+    end = env.find(b"\0", at)
+    return env[at + len(TAG) : end if end >= 0 else None].decode(errors="replace")
+
+
+class _Tree:
+    """Processes of some lapsed leases, each held by a pidfd opened after its identity check.
+
+    Members are processes tagged with one of ``tags`` and, for leases in ``groups`` whose
+    holder is still the recorded process, members of its process group or session.
+    """
+
+    def __init__(
+        self,
+        *,
+        tags: set[str],
+        groups: dict[str, int],
+        holders: dict[str, tuple[int, int | None]],
+    ) -> None:
+        self.tags = tags
+        self.groups = groups
+        self.holders = holders
+        self.fds: dict[int, tuple[str, int]] = {}
+        self.sent: dict[str, set[int]] = {}
+
+    def _trusted_groups(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for lease_id, pgid in self.groups.items():
+            pid, ticks = self.holders[lease_id]
+            st = proc_stat(pid)
+            # A group number is only safe while its leader, or a known member, still lives.
+            if st is not None and st.ticks == ticks and pgid in (pid, st.pgrp):
+                out[pgid] = lease_id
+        return out
+
+    def refresh(self) -> dict[int, str]:
+        """Find new members, hold each by pidfd; returns the groups trusted right now."""
+        groups = self._trusted_groups()
+        me = os.getpid()
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me or int(name) in self.fds:
+                continue
+            st = proc_stat(int(name))
+            if st is None or st.state in ("Z", "X"):
+                continue
+            lease_id = groups.get(st.pgrp) or groups.get(st.sid)
+            if lease_id is None:
+                tag = lease_tag(st.pid)
+                lease_id = tag if tag in self.tags else None
+            if lease_id is None:
+                continue
+            try:
+                fd = os.pidfd_open(st.pid)
+            except OSError:
+                continue
+            check = proc_stat(st.pid)
+            if check is None or check.ticks != st.ticks:
+                os.close(fd)  # the pid was reused between the scan and the pidfd
+                continue
+            self.fds[st.pid] = (lease_id, fd)
+        return groups
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every member (and to each trusted group as a whole)."""
+        groups = self.refresh()
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+        for pid, (lease_id, fd) in self.fds.items():
+            try:
+                signal.pidfd_send_signal(fd, sig)
+            except (ProcessLookupError, PermissionError):
+                continue
+            self.sent.setdefault(lease_id, set()).add(pid)
+
+    def _pending(self, timeout: float) -> set[int]:
+        import select
+
+        left = set(self.fds)
+        deadline = time.monotonic() + timeout
+        while left:
+            poller = select.poll()
+            by_fd = {self.fds[pid][1]: pid for pid in left}
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            for fd, _ev in poller.poll(wait_ms):
+                left.discard(by_fd[fd])
+            if time.monotonic() >= deadline:
+                break
+        return left
+
+    def wait(self, timeout: float) -> None:
+        """Return once every member has exited, or after ``timeout`` seconds."""
+        self._pending(timeout)
+
+    def alive(self) -> dict[str, list[int]]:
+        """Members still running, by lease id."""
+        out: dict[str, list[int]] = {}
+        for pid in sorted(self._pending(0.0)):
+            out.setdefault(self.fds[pid][0], []).append(pid)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """How many distinct processes were signalled, by lease id."""
+        return {lease_id: len(pids) for lease_id, pids in self.sent.items()}
+
+    def close(self) -> None:
+        for _lease_id, fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
