@@ -233,7 +233,8 @@ class CallEnvelope:
         _check_kind(kind)
         _check_units("units", units)
         keys = self._keys_for(request_id)
-        args: list[str | int] = [kind, units, "1" if dry_run else "0", self.request_ttl, request_id or ""]
+        dry = "1" if dry_run else "0"
+        args: list[str | int] = [kind, units, dry, self.request_ttl, request_id or ""]
         return self._run(self._consume, kind, keys, args, units).state
 
     def reserve(
