@@ -13,12 +13,11 @@ tag in their environment, and every signal goes through a pidfd opened after tha
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +27,7 @@ from config.keys import Keys
 from worker import procs
 from worker.lease import LeaseDoc, LeaseRefused, Leases, Status, lapse_reason
 from worker.scripts import register
+from worker.tree import TAG_VAR, Proc, Tree, end_tree, read_proc, scan
 
 if TYPE_CHECKING:
     import redis
@@ -107,7 +107,7 @@ class ActionRecord:
     lease_id: str
     host: str
     pid: int
-    outcome: str  # reaped | ended | refused | pruned | failed
+    outcome: str  # reaped | ended | refused | pruned
     why: str
     status: str | None = None
     note: str = ""
@@ -124,7 +124,6 @@ class PassReport:
     ended: int = 0
     refused: int = 0
     pruned: int = 0
-    failed: int = 0
     signalled: int = 0
     survivors: int = 0
     seconds: float = 0.0
@@ -135,7 +134,7 @@ class PassReport:
         return (
             f"pass host={self.host} lapsed={self.lapsed} ended={self.ended} "
             f"skipped={self.skipped} refused={self.refused} pruned={self.pruned} "
-            f"failed={self.failed} signalled={self.signalled} survivors={self.survivors} "
+            f"signalled={self.signalled} survivors={self.survivors} "
             f"in {self.seconds * 1000:.1f}ms"
         )
 
@@ -262,10 +261,10 @@ def _observe(doc: LeaseDoc, facts: Facts) -> Facts:
     """Fill in what /proc says about this host's lease: is the holder the same process, and
     is its supervisor still around (the holder's parent, or at least a live pid)."""
     same = procs.is_same_process(doc.holder_pid, doc.child_start_ticks, doc.boot_id)
-    holder = proc_stat(doc.holder_pid) if doc.holder_pid > 0 else None
-    exists = holder is not None and holder.state not in ("Z", "X")
-    sup = proc_stat(doc.supervisor_pid) if doc.supervisor_pid > 0 else None
-    present = sup is not None and sup.state not in ("Z", "X")
+    holder = read_proc(doc.holder_pid) if doc.holder_pid > 0 else None
+    exists = holder is not None and not holder.dead
+    sup = read_proc(doc.supervisor_pid) if doc.supervisor_pid > 0 else None
+    present = sup is not None and not sup.dead
     if present and same and holder is not None:
         # A dead supervisor's child is re-parented at once, so its parent pid tells.
         present = holder.ppid == doc.supervisor_pid
@@ -282,21 +281,20 @@ def _observe(doc: LeaseDoc, facts: Facts) -> Facts:
 def _kill_trees(
     targets: list[tuple[LeaseDoc, Decision]], grace: float
 ) -> tuple[dict[str, int], int]:
-    """SIGTERM every tree, wait up to ``grace`` for all of them, SIGKILL what is left."""
-    groups = {doc.lease_id: doc.pgid for doc, d in targets if d.signal_group and doc.pgid > 0}
-    holders = {doc.lease_id: (doc.holder_pid, doc.child_start_ticks) for doc, _ in targets}
-    tree = _Tree(tags={doc.lease_id for doc, _ in targets}, groups=groups, holders=holders)
-    tree.signal(signal.SIGTERM)
-    tree.wait(grace)
-    tree.signal(signal.SIGKILL)
-    tree.wait(1.0)
-    survivors = tree.alive()
-    for doc, _ in targets:
-        for pid in survivors.get(doc.lease_id, []):
-            log.error("lease=%s host=%s pid=%d survived SIGKILL", doc.lease_id, doc.host, pid)
-    counts = tree.counts()
-    tree.close()
-    return counts, sum(len(p) for p in survivors.values())
+    """End every tree together: SIGTERM, up to ``grace`` seconds, SIGKILL what is left."""
+    trees = LapsedTrees(
+        [doc for doc, _ in targets],
+        trust_roots={doc.lease_id for doc, d in targets if d.signal_group},
+    )
+    result = end_tree(trees, grace)
+    for pid in sorted(result.survivors):
+        lease_id = trees.owner.get(pid, "?")
+        log.error("lease=%s host=%s pid=%d survived SIGKILL", lease_id, procs.hostname(), pid)
+    counts: dict[str, int] = {}
+    for pid in result.signalled | result.killed:
+        lease_id = trees.owner.get(pid, "?")
+        counts[lease_id] = counts.get(lease_id, 0) + 1
+    return counts, len(result.survivors)
 
 
 def _end(leases: Leases, doc: LeaseDoc, d: Decision, signalled: int, report: PassReport) -> None:
@@ -385,154 +383,80 @@ def _text(value: Any) -> str:
 
 
 # --- process trees -------------------------------------------------------------------------
-# Kept here until worker/tree.py offers the same; see the module docstring for the rules.
-
-TAG = b"OVERNIGHT_LEASE_ID="
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of ``/proc/PID/stat`` the reaper needs."""
+class LapsedTrees(Tree):
+    """The trees of several lapsed leases, found together in one scan of the process table.
 
-    pid: int
-    state: str
-    ppid: int
-    pgrp: int
-    sid: int
-    ticks: int
+    For :func:`worker.tree.end_tree`: a process belongs to a lease if it carries the lease's
+    tag, or (while the lease's holder is still the very process it recorded, so its group
+    and session numbers cannot have been reused) it is the holder or shares its group or
+    session; and every descendant of a member is a member. Each environment is read once
+    per process, whatever the number of leases, so a pass with many leases stays cheap.
+    """
+
+    def __init__(self, docs: Iterable[LeaseDoc], *, trust_roots: set[str]) -> None:
+        super().__init__(root=0, root_start=None)
+        self.docs = {doc.lease_id: doc for doc in docs}
+        self.trust_roots = trust_roots
+        self.owner: dict[int, str] = {}
+        self._tags: dict[tuple[int, int], str | None] = {}
+
+    def members(self, table: dict[int, Proc] | None = None) -> dict[int, Proc]:
+        table = scan() if table is None else table
+        me = os.getpid()
+        by_group: dict[int, list[Proc]] = {}
+        children: dict[int, list[Proc]] = {}
+        for proc in table.values():
+            by_group.setdefault(proc.pgid, []).append(proc)
+            if proc.sid != proc.pgid:
+                by_group.setdefault(proc.sid, []).append(proc)
+            children.setdefault(proc.ppid, []).append(proc)
+        found: dict[int, str] = {}
+        for lease_id in self.trust_roots:
+            doc = self.docs[lease_id]
+            root = table.get(doc.holder_pid)
+            if root is None or doc.child_start_ticks is None:
+                continue
+            if root.start != doc.child_start_ticks:
+                continue
+            found[root.pid] = lease_id
+            for proc in by_group.get(root.pid, ()):
+                found.setdefault(proc.pid, lease_id)
+        for proc in table.values():
+            if proc.pid not in found and proc.pid != me and not proc.dead:
+                tag = self._tag(proc)
+                if tag in self.docs:
+                    found[proc.pid] = tag
+        stack = list(found)
+        while stack:
+            pid = stack.pop()
+            for child in children.get(pid, ()):
+                if child.pid not in found and child.pid != me:
+                    found[child.pid] = found[pid]
+                    stack.append(child.pid)
+        found.pop(me, None)
+        self.owner.update(found)
+        return {pid: table[pid] for pid in found}
+
+    def _tag(self, proc: Proc) -> str | None:
+        key = (proc.pid, proc.start)
+        if key not in self._tags:
+            self._tags[key] = lease_tag(proc.pid)
+        return self._tags[key]
 
 
-def proc_stat(pid: int) -> ProcStat | None:
-    """``/proc/PID/stat`` of a process, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: split after its last ')'.
-    f = raw.rsplit(b")", 1)[1].split()
-    return ProcStat(pid, f[0].decode(), int(f[1]), int(f[2]), int(f[3]), int(f[19]))
+_TAG = f"{TAG_VAR}=".encode()
 
 
 def lease_tag(pid: int) -> str | None:
-    """The ``OVERNIGHT_LEASE_ID`` in a process's environment, or None."""
+    """The lease id in ``pid``'s environment (``OVERNIGHT_LEASE_ID``), or None."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = fh.read()
     except OSError:
         return None
-    at = env.find(TAG)
-    while at > 0 and env[at - 1] != 0:
-        at = env.find(TAG, at + 1)
-    if at < 0:
-        return None
-    end = env.find(b"\0", at)
-    return env[at + len(TAG) : end if end >= 0 else None].decode(errors="replace")
-
-
-class _Tree:
-    """Processes of some lapsed leases, each held by a pidfd opened after its identity check.
-
-    Members are processes tagged with one of ``tags`` and, for leases in ``groups`` whose
-    holder is still the recorded process, members of its process group or session.
-    """
-
-    def __init__(
-        self,
-        *,
-        tags: set[str],
-        groups: dict[str, int],
-        holders: dict[str, tuple[int, int | None]],
-    ) -> None:
-        self.tags = tags
-        self.groups = groups
-        self.holders = holders
-        self.fds: dict[int, tuple[str, int]] = {}
-        self.sent: dict[str, set[int]] = {}
-
-    def _trusted_groups(self) -> dict[int, str]:
-        out: dict[int, str] = {}
-        for lease_id, pgid in self.groups.items():
-            pid, ticks = self.holders[lease_id]
-            st = proc_stat(pid)
-            # A group number is only safe while its leader, or a known member, still lives.
-            if st is not None and st.ticks == ticks and pgid in (pid, st.pgrp):
-                out[pgid] = lease_id
-        return out
-
-    def refresh(self) -> dict[int, str]:
-        """Find new members, hold each by pidfd; returns the groups trusted right now."""
-        groups = self._trusted_groups()
-        me = os.getpid()
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == me or int(name) in self.fds:
-                continue
-            st = proc_stat(int(name))
-            if st is None or st.state in ("Z", "X"):
-                continue
-            lease_id = groups.get(st.pgrp) or groups.get(st.sid)
-            if lease_id is None:
-                tag = lease_tag(st.pid)
-                lease_id = tag if tag in self.tags else None
-            if lease_id is None:
-                continue
-            try:
-                fd = os.pidfd_open(st.pid)
-            except OSError:
-                continue
-            check = proc_stat(st.pid)
-            if check is None or check.ticks != st.ticks:
-                os.close(fd)  # the pid was reused between the scan and the pidfd
-                continue
-            self.fds[st.pid] = (lease_id, fd)
-        return groups
-
-    def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to every member (and to each trusted group as a whole)."""
-        groups = self.refresh()
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-        for pid, (lease_id, fd) in self.fds.items():
-            try:
-                signal.pidfd_send_signal(fd, sig)
-            except (ProcessLookupError, PermissionError):
-                continue
-            self.sent.setdefault(lease_id, set()).add(pid)
-
-    def _pending(self, timeout: float) -> set[int]:
-        import select
-
-        left = set(self.fds)
-        deadline = time.monotonic() + timeout
-        while left:
-            poller = select.poll()
-            by_fd = {self.fds[pid][1]: pid for pid in left}
-            for fd in by_fd:
-                poller.register(fd, select.POLLIN)
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            for fd, _ev in poller.poll(wait_ms):
-                left.discard(by_fd[fd])
-            if time.monotonic() >= deadline:
-                break
-        return left
-
-    def wait(self, timeout: float) -> None:
-        """Return once every member has exited, or after ``timeout`` seconds."""
-        self._pending(timeout)
-
-    def alive(self) -> dict[str, list[int]]:
-        """Members still running, by lease id."""
-        out: dict[str, list[int]] = {}
-        for pid in sorted(self._pending(0.0)):
-            out.setdefault(self.fds[pid][0], []).append(pid)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        """How many distinct processes were signalled, by lease id."""
-        return {lease_id: len(pids) for lease_id, pids in self.sent.items()}
-
-    def close(self) -> None:
-        for _lease_id, fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+    for entry in env.split(b"\0"):
+        if entry.startswith(_TAG):
+            return entry[len(_TAG) :].decode(errors="replace")
+    return None
