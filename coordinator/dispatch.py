@@ -1,0 +1,274 @@
+"""Tasks on RQ: enqueueing, the job function, recovery of tasks whose worker died, the worker.
+
+One RQ job runs one attempt of one task (job id ``<task>-<run>-<attempt>``). A job only
+runs if its attempt is the task's current one and the task is queued, so a duplicate or
+stale job is harmless. A worker that dies stops renewing the task's claim; a recovery
+pass (:func:`recover`, run by every :class:`OvernightWorker` at start and every
+``recovery_interval``, and callable by a coordinator) then re-queues the task from its
+checkpoint, or pauses it when the step in flight had an unknown outcome.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import redis
+from rq import Queue, Worker
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+
+# Imported here so a forked work horse finds them loaded and starts each task at once.
+from config.context import settings as current_settings
+from config.keys import Keys
+from coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop, lost_step_decision
+from coordinator.steps import StepRunner, supervised_runner
+from coordinator.taskstore import Runner, TaskRecord, TaskStore
+
+if TYPE_CHECKING:
+    from config.settings import Settings
+
+log = logging.getLogger("overnight.dispatch")
+
+# RQ's own job timeout is the task's deadline plus this, so the task's deadline fires first.
+JOB_MARGIN = 120
+RESULT_TTL = 7 * 86_400
+# A queued task whose RQ job vanished (or ended) is re-enqueued once it has waited this long.
+QUEUED_GRACE = 30.0
+_TEXT_CLIENTS: dict[int, redis.Redis] = {}
+
+
+def text_client(conn: redis.Redis) -> redis.Redis:
+    """A ``decode_responses=True`` client on the same server, user and TLS as ``conn``."""
+    found = _TEXT_CLIENTS.get(id(conn))
+    if found is None:
+        pool = conn.connection_pool
+        kwargs = {**pool.connection_kwargs, "decode_responses": True}
+        found = redis.Redis(
+            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+        )
+        _TEXT_CLIENTS[id(conn)] = found
+    return found
+
+
+def job_timeout(rec: TaskRecord, now: float | None = None) -> int:
+    """Seconds RQ lets the job run: what is left of the task's deadline, plus a margin."""
+    left = rec.spec.deadline
+    if rec.started_unix is not None:
+        left -= (now or time.time()) - rec.started_unix
+    return math.ceil(max(left, 1.0)) + JOB_MARGIN
+
+
+def enqueue(rq_conn: redis.Redis, records: Sequence[TaskRecord], namespace: str) -> list[str]:
+    """Put one RQ job per record (its current attempt) on the record's queue; returns job ids."""
+    by_queue: dict[str, list[Any]] = {}
+    for rec in records:
+        data = Queue.prepare_data(
+            perform_task,
+            args=(namespace, rec.id, rec.attempt),
+            timeout=job_timeout(rec),
+            result_ttl=RESULT_TTL,
+            failure_ttl=RESULT_TTL,
+            description=f"overnight task {rec.id} attempt {rec.attempt} [{namespace}]",
+            job_id=rec.job_id(),
+        )
+        by_queue.setdefault(rec.queue, []).append(data)
+    ids: list[str] = []
+    for name, datas in by_queue.items():
+        queue = Queue(name, connection=rq_conn)
+        with rq_conn.pipeline() as pipe:
+            jobs = queue.enqueue_many(datas, pipeline=pipe)
+            pipe.execute()
+        ids += [job.id for job in jobs]
+    return ids
+
+
+def loop_config(settings: Settings, namespace: str) -> LoopConfig:
+    return LoopConfig(
+        default_deadline=settings.deadline,
+        default_gap=settings.heartbeat_gap,
+        grace=settings.grace,
+        claim_ttl=settings.task_claim_ttl,
+        max_lost_leases=settings.max_lost_leases,
+        prompt_dir=Path(tempfile.gettempdir()) / "overnight" / namespace,
+    )
+
+
+def envelope_consume(client: redis.Redis, namespace: str, task_id: str, ttl: int) -> Consume:
+    """Charge the shared envelope named by the task; an empty one raises CallRefused."""
+    from worker.envelope import CallEnvelope, EnvelopeEmpty
+
+    envelopes: dict[str, CallEnvelope] = {}
+
+    def consume(name: str, kind: str, request_id: str) -> None:
+        if name not in envelopes:
+            envelopes[name] = CallEnvelope(
+                client, name, namespace, request_ttl=ttl, task_id=task_id
+            )
+        try:
+            envelopes[name].try_consume(kind, request_id=request_id)
+        except EnvelopeEmpty as exc:
+            raise CallRefused("envelope", f"shared envelope {name!r}: {exc}") from None
+
+    return consume
+
+
+def perform_task(namespace: str, task_id: str, attempt: int) -> str:
+    """The RQ job: run one attempt of a task; returns the state it was left in."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    settings = current_settings()
+    if job is not None:
+        client = text_client(job.connection)
+    else:
+        from config.context import redis_client
+
+        client = redis_client()
+    keys = Keys(namespace)
+    runner: StepRunner = supervised_runner(client, keys)
+    loop = TaskLoop(
+        TaskStore(client, keys),
+        runner,
+        envelope_consume(client, namespace, task_id, settings.request_id_ttl),
+        loop_config(settings, namespace),
+    )
+    who = Runner(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        worker=os.environ.get("RQ_WORKER_ID", ""),
+        job_id=job.id if job else "",
+    )
+    return loop.run(task_id, attempt, who)
+
+
+def _job_gone(rq_conn: redis.Redis, job_id: str) -> bool:
+    try:
+        status = Job.fetch(job_id, connection=rq_conn).get_status(refresh=False)
+    except NoSuchJobError:
+        return True
+    return status in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
+
+
+def recover(
+    client: redis.Redis,
+    rq_conn: redis.Redis,
+    keys: Keys,
+    settings: Settings,
+    *,
+    now: float | None = None,
+) -> list[str]:
+    """One recovery pass over the namespace's tasks; returns one line per action taken.
+
+    A running task whose claim lapsed is re-queued from its checkpoint (``on_unknown =
+    "retry"``, or no step was in flight), paused (``"pause"`` with a step in flight, or
+    the lost-run cap reached) or expired (its deadline passed). A queued task whose
+    RQ job is missing or ended is enqueued again.
+    """
+    store = TaskStore(client, keys)
+    ids = store.ids()
+    pipe = client.pipeline(transaction=False)
+    for task_id in ids:
+        pipe.hmget(keys.task(task_id), "state", "updated_unix")
+        pipe.exists(keys.task_claim(task_id))
+    rows = pipe.execute()
+    now = now or time.time()
+    actions: list[str] = []
+    requeue: list[TaskRecord] = []
+    for i, task_id in enumerate(ids):
+        (state, updated), claimed = rows[2 * i], rows[2 * i + 1]
+        if state == "running" and not claimed:
+            rec = store.get(task_id)
+            if rec is None:
+                continue
+            cp = rec.checkpoint.model_copy(deep=True)
+            if rec.started_unix is not None and now >= rec.started_unix + rec.spec.deadline:
+                new, detail = "expired", f"task deadline of {rec.spec.deadline:g}s passed"
+            else:
+                new, detail = lost_step_decision(cp, rec.spec.on_unknown, settings.max_lost_leases)
+            attempt = rec.attempt + 1 if new == "queued" else rec.attempt
+            if store.orphan(rec, new, cp, detail, attempt):
+                log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)
+                actions.append(f"{task_id}: {new}: {detail}")
+                if new == "queued":
+                    requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
+        elif state == "queued" and now - float(updated or 0) > QUEUED_GRACE:
+            rec = store.get(task_id)
+            if rec is not None and rec.state == "queued" and _job_gone(rq_conn, rec.job_id()):
+                actions.append(f"{task_id}: re-enqueued attempt {rec.attempt}")
+                requeue.append(rec)
+    if requeue:
+        enqueue(rq_conn, requeue, keys.namespace)
+    return actions
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when ``parent`` dies, so a killed worker takes
+    its work horse (and the in-process supervisor) with it; the step's tree is left to
+    its lease and the reaper."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class OvernightWorker(Worker):
+    """An RQ worker for overnight tasks (``rq worker -w coordinator.dispatch.OvernightWorker``).
+
+    It runs :func:`recover` at start and every ``OVERNIGHT_RECOVERY_INTERVAL`` seconds
+    while idle, and its work horse dies with it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_recovery: float | None = None
+
+    @property
+    def dequeue_timeout(self) -> int:
+        interval = math.ceil(current_settings().recovery_interval)
+        return max(1, min(int(super().dequeue_timeout), interval))
+
+    @property
+    def should_run_maintenance_tasks(self) -> bool:
+        return bool(super().should_run_maintenance_tasks) or self._recovery_due()
+
+    def _recovery_due(self) -> bool:
+        last = self._last_recovery
+        return last is None or time.monotonic() - last >= current_settings().recovery_interval
+
+    def run_maintenance_tasks(self) -> None:
+        if super().should_run_maintenance_tasks:
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        if self._recovery_due():
+            self._last_recovery = time.monotonic()
+            self.recover_tasks()
+
+    def recover_tasks(self) -> list[str]:
+        """One recovery pass for this worker's namespace; never raises."""
+        settings = current_settings()
+        try:
+            actions = recover(
+                text_client(self.connection), self.connection, Keys(settings.namespace), settings
+            )
+        except Exception as exc:
+            self.log.warning("recovery pass failed: %s: %s", type(exc).__name__, exc)
+            return []
+        for line in actions:
+            self.log.info("recovery: %s", line)
+        return actions
+
+    def main_work_horse(self, job: Job, queue: Queue) -> None:
+        _die_with_parent(self.pid or os.getppid())
+        super().main_work_horse(job, queue)
