@@ -4,32 +4,42 @@ Every transition is one Lua script in ``worker/lua/lease_*.lua`` that checks the
 token and the ``running`` status itself, so a terminal status is written once and a stale
 holder is refused. Times inside scripts are Redis server time; callers keep local
 deadlines on a monotonic clock.
+
+This module imports neither redis nor pydantic, so ``overnight supervise`` and
+``overnight beat`` start fast; :class:`LeaseDoc` is a plain dataclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
-
-from pydantic import BaseModel
 
 from config.keys import Keys
 from worker import procs
-from worker.receipts import STREAM_MAXLEN
 from worker.scripts import register
 
 if TYPE_CHECKING:
     import redis
 
 Status = Literal["running", "done", "expired", "killed"]
+STATUSES: frozenset[str] = frozenset({"running", "done", "expired", "killed"})
 TERMINAL: frozenset[str] = frozenset({"done", "expired", "killed"})
 # Ended lease documents stay readable this long (`overnight lease show`), then expire.
 RETENTION_SEC = 7 * 86_400
+# Same cap as worker.receipts.STREAM_MAXLEN (a test keeps them equal); not imported from
+# there because that module loads pydantic.
+STREAM_MAXLEN = 1_000_000
 CONTRACT_FIELDS = (
     "lease_id", "token", "holder_pid", "pgid", "host", "budget_sec", "started_unix",
     "deadline_unix", "heartbeat_unix", "heartbeat_max_gap_sec", "status", "note",
     "exit_code", "ended_unix",
 )  # fmt: skip
+_REQUIRED = ("lease_id", "token", "budget_sec", "started_unix", "deadline_unix",
+             "heartbeat_unix", "heartbeat_max_gap_sec", "status")  # fmt: skip
 
 
 class LeaseRefused(Exception):
@@ -41,20 +51,25 @@ class LeaseRefused(Exception):
         self.reason = reason
 
 
-class LeaseDoc(BaseModel):
+class LeaseCorrupt(ValueError):
+    """A lease record in Redis is missing a field or holds a value of the wrong type."""
+
+
+@dataclass
+class LeaseDoc:
     """The lease document, as ``overnight lease show`` prints it (contract section 2)."""
 
     lease_id: str
     token: int
-    holder_pid: int = 0
-    pgid: int = 0
-    host: str = ""
     budget_sec: float
     started_unix: float
     deadline_unix: float
     heartbeat_unix: float
     heartbeat_max_gap_sec: float
     status: Status
+    holder_pid: int = 0
+    pgid: int = 0
+    host: str = ""
     note: str = ""
     exit_code: int | None = None
     ended_unix: float | None = None
@@ -65,23 +80,55 @@ class LeaseDoc(BaseModel):
 
     @classmethod
     def from_hash(cls, raw: dict[Any, Any]) -> LeaseDoc:
+        """Parse a lease hash; raises :class:`LeaseCorrupt` naming the bad field."""
         data = {_text(k): _text(v) for k, v in raw.items()}
-        clean: dict[str, Any] = {k: (None if v == "" else v) for k, v in data.items()}
-        for key in ("holder_pid", "pgid", "supervisor_pid"):
-            clean[key] = clean.get(key) or 0
-        for key in ("host", "note", "boot_id"):
-            clean[key] = clean.get(key) or ""
-        return cls.model_validate(clean)
+        lease_id = data.get("lease_id") or "?"
+        for key in _REQUIRED:
+            if not data.get(key):
+                raise LeaseCorrupt(f"lease {lease_id}: record has no {key}")
+        if data["status"] not in STATUSES:
+            raise LeaseCorrupt(f"lease {lease_id}: bad status {data['status']!r}")
+        values: dict[str, Any] = {"lease_id": data["lease_id"], "status": data["status"]}
+        for f in dataclasses.fields(cls):
+            if f.name in values or f.name not in data:
+                continue
+            text = data[f.name]
+            kind = str(f.type)
+            try:
+                if kind in ("str", "Status"):
+                    values[f.name] = text
+                elif kind == "str | None":
+                    values[f.name] = text or None
+                elif not text:
+                    values[f.name] = 0 if kind == "int" else None
+                elif "int" in kind:
+                    values[f.name] = int(text)
+                else:
+                    number = float(text)
+                    if not math.isfinite(number):
+                        raise ValueError(text)
+                    values[f.name] = number
+            except ValueError:
+                raise LeaseCorrupt(f"lease {lease_id}: bad {f.name} {text!r}") from None
+        return cls(**values)
 
     @property
     def lapse_unix(self) -> float:
         """When the liveness key lapses unless renewed (server clock)."""
         return min(self.heartbeat_unix + self.heartbeat_max_gap_sec, self.deadline_unix)
 
+    def model_dump(self) -> dict[str, Any]:
+        """Every field as a dict (named like pydantic's, for callers that expect it)."""
+        return dataclasses.asdict(self)
+
     def public(self) -> dict[str, Any]:
         """The document as JSON data: the contract's keys first, then the extra ones."""
         data = self.model_dump()
         return {**{k: data[k] for k in CONTRACT_FIELDS}, **data}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The :meth:`public` document as JSON text."""
+        return json.dumps(self.public(), indent=indent)
 
 
 def lapse_reason(doc: LeaseDoc, now: float) -> str | None:
@@ -96,6 +143,23 @@ def lapse_reason(doc: LeaseDoc, now: float) -> str | None:
     if silent >= doc.heartbeat_max_gap_sec:
         return f"heartbeat-gap-{silent:.1f}s"
     return None
+
+
+def lapsed_reason(doc: LeaseDoc, now: float) -> str:
+    """Why a lease whose liveness key is already gone lapsed, at server time ``now``.
+
+    The key's TTL is rounded to whole milliseconds, so it may vanish a moment before
+    :func:`lapse_reason` would agree; this never returns None.
+    """
+    at = max(now, doc.lapse_unix)
+    if at >= doc.deadline_unix - 0.002:
+        return "budget-exceeded"
+    return f"heartbeat-gap-{at - doc.heartbeat_unix:.1f}s"
+
+
+def status_for(reason: str) -> Status:
+    """The terminal status a lapse reason ends a lease with."""
+    return "expired" if reason == "budget-exceeded" else "killed"
 
 
 def new_lease_id() -> str:
@@ -188,6 +252,16 @@ class Leases:
         """The lease document, or None if there is no such lease."""
         raw = self.client.hgetall(self.keys.lease(lease_id))
         return LeaseDoc.from_hash(raw) if raw else None
+
+    def probe(self, lease_id: str) -> tuple[int, LeaseDoc | None, float]:
+        """One round trip: ms left on the liveness key (-2 = gone), the document, server time."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.pttl(self.keys.lease_alive(lease_id))
+        pipe.hgetall(self.keys.lease(lease_id))
+        pipe.time()
+        pttl, raw, (secs, micros) = pipe.execute()
+        doc = LeaseDoc.from_hash(raw) if raw else None
+        return int(pttl), doc, int(secs) + int(micros) / 1e6
 
     def is_alive(self, lease_id: str) -> bool:
         """True while the liveness key exists."""
