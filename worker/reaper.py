@@ -21,11 +21,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ValidationError
-
 from config.keys import Keys
 from worker import procs
-from worker.lease import LeaseDoc, LeaseRefused, Leases, Status, lapse_reason
+from worker.lease import (
+    LeaseCorrupt,
+    LeaseDoc,
+    LeaseRefused,
+    Leases,
+    Status,
+    lapsed_reason,
+    status_for,
+)
 from worker.scripts import register
 from worker.tree import TAG_VAR, Proc, Tree, end_tree, read_proc, scan
 
@@ -83,8 +89,8 @@ def decide(facts: Facts, *, host: str, boot: str, now: float, hold_off: float) -
         if facts.host_reaper_live:
             return Decision("skip", "host-has-reaper")
         return Decision("end", "host-lost", "killed", "reaped: host-lost")
-    status: Status = "expired" if now >= doc.deadline_unix else "killed"
-    cause = lapse_reason(doc, now) or "lapsed"
+    cause = lapsed_reason(doc, now)
+    status = status_for(cause)
     if doc.boot_id and boot and doc.boot_id != boot:
         return Decision("end", "host-rebooted", status, f"reaped: {cause}, host-rebooted")
     if facts.supervisor_present and now < doc.lapse_unix + hold_off:
@@ -368,7 +374,7 @@ def _parse(lease_id: str, raw: dict[Any, Any]) -> LeaseDoc | None:
         return None
     try:
         return LeaseDoc.from_hash(raw)
-    except ValidationError:
+    except LeaseCorrupt:
         if lease_id not in _unreadable:
             _unreadable.add(lease_id)
             log.warning("lease=%s has an unreadable document; left alone", lease_id)
