@@ -1,0 +1,269 @@
+"""Task commands: submit, worker, status, reconcile, receipts, report. Parsing only; the logic
+lives in taskfile, taskstore, dispatch and report, imported when a command runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+
+if TYPE_CHECKING:
+    from coordinator.taskstore import TaskRecord, TaskStore
+
+
+def _store() -> TaskStore:
+    from config.context import redis_client, settings
+    from config.keys import Keys
+    from coordinator.taskstore import TaskStore
+
+    return TaskStore(redis_client(), Keys(settings().namespace))
+
+
+def _record(store: TaskStore, task_id: str) -> TaskRecord:
+    rec = store.get(task_id)
+    if rec is None:
+        raise CommandError(f"no task {task_id!r} in namespace {store.keys.namespace!r}", EXIT_USAGE)
+    return rec
+
+
+def _status_json(store: TaskStore, rec: TaskRecord) -> str:
+    from coordinator.report import status_dict
+
+    return json.dumps(status_dict(rec, store.claim_alive(rec.id)), indent=2)
+
+
+@click.command("submit")
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--queue", "-q", metavar="Q", help="RQ queue to put the tasks on [OVERNIGHT_QUEUE].")
+@click.option("--wait", is_flag=True, help="Wait until every task has ended (or paused).")
+@click.option("--timeout", type=float, metavar="SEC", help="With --wait: give up after SEC.")
+def submit_command(
+    files: tuple[Path, ...], queue: str | None, wait: bool, timeout: float | None
+) -> None:
+    """Validate task files (TOML or JSON) and enqueue each as an RQ job.
+
+    Every file is checked before any is enqueued: with one bad file nothing is enqueued,
+    and each problem is printed on its own line naming the file and key (exit 64).
+    Prints one task id per line. With --wait, waits for the tasks to end and exits 0
+    only if every one is finished_verified (else 2).
+    """
+    from config.context import rq_connection, settings
+    from config.settings import NAME_RE
+    from coordinator.dispatch import enqueue
+    from coordinator.taskfile import TaskFileError, load_all
+    from coordinator.taskstore import TaskIdTaken
+
+    queue = queue or settings().queue
+    if not NAME_RE.match(queue):
+        raise click.BadParameter("letters, digits, '.', '_' or '-'", param_hint="--queue")
+    try:
+        specs = load_all(list(files))
+    except TaskFileError as exc:
+        for line in exc.problems:
+            click.echo(line, err=True)
+        raise CommandError("", EXIT_USAGE) from None
+    store = _store()
+    wanted = [s.id for s in specs if s.id]
+    live = set(store.live_ids(wanted))
+    if live:
+        for path, spec in zip(files, specs, strict=True):
+            if spec.id in live:
+                click.echo(f"{path}: id: {spec.id!r} names a task that is still live", err=True)
+        raise CommandError("", EXIT_USAGE)
+    try:
+        records = store.create(specs, queue)
+    except TaskIdTaken as exc:
+        raise CommandError(f"{exc}; nothing was enqueued", EXIT_USAGE) from None
+    enqueue(rq_connection(), records, settings().namespace)
+    for rec in records:
+        click.echo(rec.id)
+    sys.stdout.flush()
+    if wait:
+        code = _wait([rec.id for rec in records], store, timeout)
+        raise SystemExit(code)
+
+
+def _wait(ids: list[str], store: TaskStore, timeout: float | None) -> int:
+    from coordinator.taskstore import PAUSED, TERMINAL
+
+    end = None if timeout is None else time.monotonic() + timeout
+    pending = set(ids)
+    states: dict[str, str] = {}
+    while pending:
+        for task_id in sorted(pending):
+            rec = store.get(task_id)
+            if rec is not None and (rec.state in TERMINAL or rec.state == PAUSED):
+                states[task_id] = rec.state
+                pending.discard(task_id)
+                click.echo(f"{task_id}: {rec.state}", err=True)
+        if pending and end is not None and time.monotonic() > end:
+            click.echo(
+                f"overnight: still running after {timeout:g}s: {', '.join(sorted(pending))}",
+                err=True,
+            )
+            return EXIT_REFUSED
+        if pending:
+            time.sleep(0.2)
+    ok = all(state == "finished_verified" for state in states.values())
+    return EXIT_OK if ok else EXIT_REFUSED
+
+
+@click.command("worker")
+@click.option("--burst", is_flag=True, help="Run queued jobs, then exit (instead of waiting).")
+@click.option(
+    "--queues", "-q", multiple=True, metavar="Q[,Q…]", help="Queues to serve [OVERNIGHT_QUEUE]."
+)
+@click.option("--name", metavar="NAME", help="Worker name (default: random).")
+@click.option("--max-jobs", type=click.IntRange(min=1), help="Exit after this many jobs.")
+def worker_command(
+    burst: bool, queues: tuple[str, ...], name: str | None, max_jobs: int | None
+) -> None:
+    """Run an RQ worker that runs overnight tasks (an rq.Worker subclass).
+
+    Equivalent to `rq worker -w coordinator.dispatch.OvernightWorker`. Each job runs one
+    task's loop in the work horse, every step under a lease. At start and every
+    OVERNIGHT_RECOVERY_INTERVAL seconds while idle it recovers tasks whose worker died:
+    re-queued from their checkpoint, or paused when a step's outcome is unknown.
+    """
+    import logging
+
+    from config.context import rq_connection, settings
+    from config.settings import NAME_RE
+    from coordinator.dispatch import OvernightWorker
+
+    names = [q for item in queues for q in item.split(",") if q] or [settings().queue]
+    for q in names:
+        if not NAME_RE.match(q):
+            raise click.BadParameter(f"bad queue name {q!r}", param_hint="--queues")
+    conn = rq_connection()
+    conn.ping()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    worker = OvernightWorker(names, connection=conn, name=name)
+    worker.work(burst=burst, logging_level="INFO", max_jobs=max_jobs)
+
+
+@click.command("status")
+@click.argument("task_id", required=False)
+def status_command(task_id: str | None) -> None:
+    """Print a task's state as JSON (state, calls_used, turns, last_verdict, ...).
+
+    With no TASK, prints a JSON array with every task of the namespace.
+    """
+    from coordinator.report import status_dict
+
+    store = _store()
+    if task_id is not None:
+        click.echo(_status_json(store, _record(store, task_id)))
+        return
+    out = [status_dict(rec, store.claim_alive(rec.id)) for rec in store.all()]
+    click.echo(json.dumps(out, indent=2))
+
+
+@click.command("reconcile")
+@click.argument("task_id")
+@click.option("--resume", "action", flag_value="resume", help="Queue the task again; it goes on.")
+@click.option("--abort", "action", flag_value="abort", help="End the task as aborted.")
+def reconcile_command(task_id: str, action: str | None) -> None:
+    """Resume or abort a task paused for reconciliation (a step's outcome was unknown).
+
+    --resume re-runs the step whose outcome was unknown (it is not charged again) and
+    continues from the checkpoint; --abort ends the task as aborted (also a queued or
+    running one). Prints the task's status JSON.
+    """
+    from config.context import redis_client, rq_connection, settings
+    from coordinator.dispatch import enqueue, recover
+    from coordinator.taskstore import PAUSED
+
+    if action is None:
+        raise click.UsageError("say --resume or --abort")
+    store = _store()
+    rec = _record(store, task_id)
+    if rec.state == "running" and not store.claim_alive(task_id):
+        recover(redis_client(), rq_connection(), store.keys, settings())
+        rec = _record(store, task_id)
+    if action == "abort":
+        ok, _why = store.abort(task_id, "aborted by overnight reconcile")
+        if not ok:
+            raise CommandError(f"task {task_id!r} has already ended ({rec.state})", EXIT_USAGE)
+        _cancel_job(rec)
+    else:
+        if rec.state != PAUSED:
+            raise CommandError(f"task {task_id!r} is {rec.state}, not paused", EXIT_USAGE)
+        cp = rec.checkpoint.model_copy(update={"in_flight": None, "lost_leases": 0})
+        ok, why = store.resume(rec, cp)
+        if not ok:
+            raise CommandError(f"task {task_id!r} changed meanwhile ({why}); try again", EXIT_USAGE)
+        enqueue(rq_connection(), [_record(store, task_id)], settings().namespace)
+    click.echo(_status_json(store, _record(store, task_id)))
+
+
+def _cancel_job(rec: TaskRecord) -> None:
+    from rq.exceptions import InvalidJobOperation, NoSuchJobError
+    from rq.job import Job, JobStatus
+
+    from config.context import rq_connection
+
+    try:
+        job = Job.fetch(rec.job_id(), connection=rq_connection())
+        if job.get_status() == JobStatus.QUEUED:
+            job.cancel()
+    except (NoSuchJobError, InvalidJobOperation):
+        pass
+
+
+@click.command("receipts")
+@click.argument("task_id", required=False)
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new receipts as they arrive.")
+def receipts_command(task_id: str | None, follow: bool) -> None:
+    """Print receipts (lease endings, refusals, verdicts, state changes) as JSON lines.
+
+    With TASK, only that task's. With --follow, waits for new ones until interrupted.
+    """
+    from config.context import redis_client, settings
+    from config.keys import Keys
+    from worker import receipts
+
+    client, keys = redis_client(), Keys(settings().namespace)
+    if follow:
+        for rc in receipts.follow(client, keys, task_id=task_id):
+            click.echo(rc.to_json())
+        return
+    for rc in receipts.read(client, keys, task_id=task_id):
+        click.echo(rc.to_json())
+
+
+@click.command("report")
+@click.option("--plain", is_flag=True, help="Plain text even on a terminal.")
+def report_command(plain: bool) -> None:
+    """The morning view: one line per task with state, calls, turns, time, last verdict."""
+    from config.context import redis_client, settings
+    from coordinator.report import render_plain, render_rich
+
+    store = _store()
+    records = store.all()
+    footer = _envelope_lines(redis_client(), settings().namespace, records)
+    if plain or not sys.stdout.isatty():
+        render_plain(records, sys.stdout, footer)
+    else:
+        render_rich(records, footer)
+
+
+def _envelope_lines(client: object, namespace: str, records: list[TaskRecord]) -> list[str]:
+    try:
+        from worker.envelope import CallEnvelope
+    except ImportError:
+        return []
+    lines = []
+    for name in sorted({rec.spec.envelope for rec in records}):
+        state = CallEnvelope(client, name, namespace).snapshot()  # type: ignore[arg-type]
+        lines.append(
+            f"envelope {name}: remaining {state.remaining} "
+            f"(consumed model {state.consumed_model}, tool {state.consumed_tool})"
+        )
+    return lines

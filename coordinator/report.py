@@ -1,0 +1,132 @@
+"""What `overnight status` and `overnight report` show: status JSON and the morning view."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TextIO
+
+from coordinator.taskstore import TaskRecord
+
+
+def elapsed(rec: TaskRecord, now: float | None = None) -> float:
+    """Seconds from first start (else submission) to the end (else now)."""
+    start = rec.started_unix or rec.submitted_unix
+    end = rec.ended_unix or (now or time.time())
+    return max(0.0, end - start)
+
+
+def status_dict(rec: TaskRecord, claim_alive: bool, now: float | None = None) -> dict[str, Any]:
+    """The JSON of ``overnight status TASK`` (the contract's keys first)."""
+    cp = rec.checkpoint
+    verdict = cp.last_verdict.model_dump() if cp.last_verdict else None
+    if verdict is not None:
+        verdict["ok"] = not verdict["failed"]
+    return {
+        "id": rec.id,
+        "state": rec.state,
+        "calls_used": rec.calls_used,
+        "turns": rec.turns,
+        "last_verdict": verdict,
+        "detail": rec.detail,
+        "max_calls": rec.spec.max_calls,
+        "envelope": rec.spec.envelope,
+        "unmet": list(cp.memory.unmet) if cp.memory else [],
+        "evidence": cp.memory.evidence if cp.memory else "",
+        "in_flight": cp.in_flight.model_dump() if cp.in_flight else None,
+        "orphaned": rec.state == "running" and not claim_alive,
+        "lost_leases": cp.lost_leases,
+        "attempt": rec.attempt,
+        "job_id": rec.job_id(),
+        "queue": rec.queue,
+        "runner": rec.runner.model_dump() if rec.runner else None,
+        "workdir": rec.spec.workdir,
+        "agent": rec.spec.agent,
+        "submitted_unix": rec.submitted_unix,
+        "started_unix": rec.started_unix,
+        "ended_unix": rec.ended_unix,
+        "updated_unix": rec.updated_unix,
+        "elapsed_sec": round(elapsed(rec, now), 3),
+    }
+
+
+def human_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def verdict_text(rec: TaskRecord) -> str:
+    verdict = rec.checkpoint.last_verdict
+    if verdict is None:
+        return "-"
+    total = len(verdict.passed) + len(verdict.failed)
+    if not verdict.failed:
+        return f"turn {verdict.turn}: {total}/{total} passed"
+    return f"turn {verdict.turn}: failing {', '.join(verdict.failed)}"
+
+
+COLUMNS = ("TASK", "STATE", "CALLS", "TURNS", "TIME", "LAST VERDICT", "DETAIL")
+STYLES = {
+    "finished_verified": "green",
+    "halted_at_call_ceiling": "yellow",
+    "halted_stuck": "yellow",
+    "expired": "red",
+    "aborted": "red",
+    "paused_for_reconciliation": "magenta",
+    "running": "cyan",
+}
+
+
+def rows(records: list[TaskRecord], now: float | None = None) -> list[tuple[str, ...]]:
+    return [
+        (
+            rec.id,
+            rec.state,
+            f"{rec.calls_used}/{rec.spec.max_calls}",
+            str(rec.turns),
+            human_duration(elapsed(rec, now)),
+            verdict_text(rec),
+            rec.detail,
+        )
+        for rec in records
+    ]
+
+
+def summary(records: list[TaskRecord]) -> str:
+    counts: dict[str, int] = {}
+    for rec in records:
+        counts[rec.state] = counts.get(rec.state, 0) + 1
+    parts = [f"{n} {state}" for state, n in sorted(counts.items())]
+    return f"{len(records)} tasks: " + (", ".join(parts) if parts else "none")
+
+
+def render_plain(records: list[TaskRecord], out: TextIO, footer: list[str]) -> None:
+    """Aligned plain text, one line per task (for pipes and logs)."""
+    table = [COLUMNS, *rows(records)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS) - 1)]
+    for row in table:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        out.write("  ".join([*cells, row[-1]]).rstrip() + "\n")
+    for line in [summary(records), *footer]:
+        out.write(line + "\n")
+
+
+def render_rich(records: list[TaskRecord], footer: list[str]) -> None:
+    """A rich table for a terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="overnight report", title_justify="left")
+    for name in COLUMNS:
+        table.add_column(name, overflow="fold", no_wrap=name in ("TASK", "STATE"))
+    for rec, row in zip(records, rows(records), strict=True):
+        style = STYLES.get(rec.state, "")
+        table.add_row(row[0], f"[{style}]{row[1]}[/]" if style else row[1], *row[2:])
+    console = Console()
+    console.print(table)
+    for line in [summary(records), *footer]:
+        console.print(line, highlight=False)
