@@ -24,11 +24,21 @@ NOW = 1_000_000.0
 
 def doc(**over: object) -> LeaseDoc:
     base: dict[str, object] = {
-        "lease_id": "L1", "token": 7, "holder_pid": 4242, "pgid": 4242, "host": HOST,
-        "budget_sec": 100.0, "started_unix": NOW - 50, "deadline_unix": NOW + 50,
-        "heartbeat_unix": NOW - 3.2, "heartbeat_max_gap_sec": 3.0, "status": "running",
-        "supervisor_pid": 4000, "child_start_ticks": 555, "boot_id": BOOT,
-    }  # fmt: skip
+        "lease_id": "L1",
+        "token": 7,
+        "holder_pid": 4242,
+        "pgid": 4242,
+        "host": HOST,
+        "budget_sec": 100.0,
+        "started_unix": NOW - 50,
+        "deadline_unix": NOW + 50,
+        "heartbeat_unix": NOW - 3.2,
+        "heartbeat_max_gap_sec": 3.0,
+        "status": "running",
+        "supervisor_pid": 4000,
+        "child_start_ticks": 555,
+        "boot_id": BOOT,
+    }
     base.update(over)
     return LeaseDoc(**base)  # type: ignore[arg-type]
 
@@ -46,23 +56,40 @@ def test_nothing_to_do_for_missing_ended_or_live_leases() -> None:
 
 
 def test_supervisor_gone_kills_the_tree_as_killed_with_the_gap_in_the_note() -> None:
-    d = decide(Facts(doc=doc(), holder_same=True, holder_exists=True), host=HOST, boot=BOOT,
-               now=NOW, hold_off=7.0)  # fmt: skip
+    d = decide(
+        Facts(doc=doc(), holder_same=True, holder_exists=True),
+        host=HOST,
+        boot=BOOT,
+        now=NOW,
+        hold_off=7.0,
+    )
     assert (d.action, d.status, d.signal_group) == ("reap", "killed", True)
     assert d.note == "reaped: heartbeat-gap-3.2s, supervisor-gone"
 
 
 def test_past_deadline_is_expired() -> None:
-    d = decide(Facts(doc=doc(deadline_unix=NOW - 1), holder_same=True), host=HOST, boot=BOOT,
-               now=NOW, hold_off=7.0)  # fmt: skip
+    d = decide(
+        Facts(doc=doc(deadline_unix=NOW - 1), holder_same=True),
+        host=HOST,
+        boot=BOOT,
+        now=NOW,
+        hold_off=7.0,
+    )
     assert (d.action, d.status, d.note) == (
-        "reap", "expired", "reaped: budget-exceeded, supervisor-gone",
-    )  # fmt: skip
+        "reap",
+        "expired",
+        "reaped: budget-exceeded, supervisor-gone",
+    )
 
 
 def test_reused_pid_is_never_signalled_as_a_group() -> None:
-    d = decide(Facts(doc=doc(), holder_same=False, holder_exists=True), host=HOST, boot=BOOT,
-               now=NOW, hold_off=7.0)  # fmt: skip
+    d = decide(
+        Facts(doc=doc(), holder_same=False, holder_exists=True),
+        host=HOST,
+        boot=BOOT,
+        now=NOW,
+        hold_off=7.0,
+    )
     assert (d.action, d.why, d.signal_group) == ("reap", "pid-reused", False)
     assert rule(Facts(doc=doc()))[:2] == ("reap", "child-gone")
     assert rule(Facts(doc=doc(holder_pid=0)))[:2] == ("reap", "never-attached")
@@ -79,8 +106,11 @@ def test_other_hosts() -> None:
     lost = Facts(doc=doc(host="elsewhere"), host_reaper_live=False, holder_same=True)
     d = decide(lost, host=HOST, boot=BOOT, now=NOW, hold_off=7.0)
     assert (d.action, d.status, d.note, d.signal_group) == (
-        "end", "killed", "reaped: host-lost", False,
-    )  # fmt: skip
+        "end",
+        "killed",
+        "reaped: host-lost",
+        False,
+    )
     watched = Facts(doc=doc(host="elsewhere"), host_reaper_live=True)
     assert rule(watched) == ("skip", "host-has-reaper", None)
 
