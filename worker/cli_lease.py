@@ -1,0 +1,331 @@
+"""``overnight supervise``, ``overnight beat`` and ``overnight lease show|list``.
+
+Thin commands over :mod:`worker.supervisor`, :mod:`worker.pulse` and :mod:`worker.lease`.
+``supervise`` and ``beat`` are on hot paths (beat is called in loops), so neither imports
+pydantic: unless something needs the full settings machinery, the few settings they use
+are read straight from the environment (see :func:`quick_settings`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import click
+
+from config.exits import EXIT_REFUSED, EXIT_USAGE, CommandError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+# Every field of config.settings.Settings (a test keeps this list in step with it).
+SETTINGS_FIELDS = frozenset({
+    "redis_url", "namespace", "queue", "heartbeat_gap", "deadline", "grace", "budget",
+    "model_url", "model_api_key", "model_name", "model_timeout", "request_id_ttl",
+    "reaper_interval", "reaper_host_ttl", "max_lost_leases", "task_claim_ttl",
+    "recovery_interval",
+})  # fmt: skip
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NUMBER = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,9})?$")
+_URL = re.compile(
+    r"^(rediss?://([^@/?#\s]+@)?[A-Za-z0-9.-]+(:(?P<port>[0-9]{1,5}))?(/[0-9]*)?"
+    r"|unix://(/[^?#\s@]+))$"
+)
+
+
+@dataclass(frozen=True)
+class QuickSettings:
+    """The settings ``supervise`` and ``beat`` need."""
+
+    redis_url: str
+    namespace: str
+    heartbeat_gap: float
+    deadline: float
+    grace: float
+
+
+def _fast(environ: Mapping[str, str]) -> QuickSettings | None:
+    """The settings from the environment, or None whenever full validation must decide.
+
+    Accepts only values the full settings accept and read the same way; anything else
+    (a ``.env`` file, another setting, an odd-looking value) goes to pydantic-settings,
+    which also produces the one-line error for a bad value.
+    """
+    if os.path.exists(".env"):
+        return None
+    values = {"redis_url": "redis://127.0.0.1:6379/0", "namespace": "overnight",
+              "heartbeat_gap": "30", "deadline": "180", "grace": "5"}  # fmt: skip
+    for key, value in environ.items():
+        low = key.lower()
+        if low == "model_url":
+            return None
+        if not low.startswith("overnight_") or low[10:] not in SETTINGS_FIELDS:
+            continue  # not a setting: pydantic-settings ignores it too
+        name = low[10:]
+        if key != key.upper() or (name not in values and name != "queue"):
+            return None
+        if name in ("namespace", "queue"):
+            if not _NAME.match(value):
+                return None
+        elif name == "redis_url":
+            m = _URL.match(value)
+            if not m or (m.group("port") and int(m.group("port")) > 65535):
+                return None
+        elif not _NUMBER.match(value) or (name != "grace" and float(value) <= 0):
+            return None
+        values[name] = value
+    return QuickSettings(
+        redis_url=values["redis_url"],
+        namespace=values["namespace"],
+        heartbeat_gap=float(values["heartbeat_gap"]),
+        deadline=float(values["deadline"]),
+        grace=float(values["grace"]),
+    )
+
+
+def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
+    """Settings for the hot commands; raises ``ConfigError`` (exit 78) on a bad value."""
+    fast = _fast(os.environ if environ is None else environ)
+    if fast is not None:
+        return fast
+    from config.context import settings
+
+    s = settings()
+    return QuickSettings(s.redis_url, s.namespace, s.heartbeat_gap, s.deadline, s.grace)
+
+
+def _seconds(name: str, value: float | None, default: float, *, zero_ok: bool = False) -> float:
+    if value is None:
+        return default
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        need = ">= 0" if zero_ok else "> 0"
+        raise click.BadParameter(f"must be a finite number of seconds {need}", param_hint=name)
+    return value
+
+
+def check_lease_id(value: str) -> str:
+    """``value`` if it is a usable lease id, else a usage error (exit 64)."""
+    if not _NAME.match(value):
+        raise click.BadParameter(
+            "must be 1-64 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            param_hint="lease id",
+        )
+    return value
+
+
+_SUPERVISE_HELP = """Run CMD under one lease, on this host, and exit with how it ended.
+
+\b
+The lease lapses when CMD is silent for the gap or runs past the deadline; then
+its whole tree (process group, session, setsid'd and double-forked escapees) gets
+SIGTERM, the grace, then SIGKILL. A beat is an output line (unless
+--no-output-beats), `overnight beat` or worker.pulse run by any descendant, or
+with --beat-while-alive the child merely living. CMD gets OVERNIGHT_LEASE_ID,
+OVERNIGHT_LEASE_TOKEN, OVERNIGHT_REDIS_URL and OVERNIGHT_NAMESPACE; its stdin is
+/dev/null and its output is passed through. At the end the lease document is
+printed as indented JSON (unless --quiet).
+
+\b
+Exit: 0 done, N the child's exit N, 128+S child or supervisor got signal S,
+2 deadline, 3 heartbeat gap, 4 lease lost (Redis unreachable longer than the gap),
+64 bad arguments, 69 Redis unreachable at start, 78 bad configuration.
+
+\b
+Example: overnight supervise --gap 10 --deadline 600 -- python agent.py
+"""
+
+
+@click.command(
+    "supervise",
+    help=_SUPERVISE_HELP,
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+)
+@click.option(
+    "--deadline",
+    type=float,
+    metavar="SEC",
+    help="Lease budget in seconds [default: OVERNIGHT_DEADLINE, 180].",
+)
+@click.option(
+    "--gap",
+    type=float,
+    metavar="SEC",
+    help="Longest silence in seconds [default: OVERNIGHT_HEARTBEAT_GAP, 30].",
+)
+@click.option(
+    "--grace",
+    type=float,
+    metavar="SEC",
+    help="Seconds between SIGTERM and SIGKILL [default: OVERNIGHT_GRACE, 5].",
+)
+@click.option("--lease-id", metavar="ID", help="Use this lease id (refused if it exists).")
+@click.option(
+    "--lease-file",
+    metavar="PATH",
+    type=click.Path(dir_okay=False),
+    help="Mirror the lease document to this JSON file on every transition.",
+)
+@click.option("--quiet", is_flag=True, help="Do not print the final lease document.")
+@click.option("--no-output-beats", is_flag=True, help="Output lines do not count as beats.")
+@click.option(
+    "--beat-while-alive",
+    is_flag=True,
+    help="Beat on a timer while CMD lives (the deadline still applies).",
+)
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARG]...")
+def supervise_command(
+    deadline: float | None,
+    gap: float | None,
+    grace: float | None,
+    lease_id: str | None,
+    lease_file: str | None,
+    quiet: bool,
+    no_output_beats: bool,
+    beat_while_alive: bool,
+    cmd: tuple[str, ...],
+) -> None:  # fmt: skip
+    from worker import supervisor
+
+    # First, before any slow start-up: a SIGTERM from now on is kept and forwarded.
+    catcher = supervisor.SignalCatcher.install()
+    try:
+        code = _supervise(catcher, deadline, gap, grace, lease_id, lease_file, quiet,
+                          no_output_beats, beat_while_alive, list(cmd))  # fmt: skip
+    finally:
+        catcher.close()
+    raise click.exceptions.Exit(code)
+
+
+def _supervise(
+    catcher: object,
+    deadline: float | None,
+    gap: float | None,
+    grace: float | None,
+    lease_id: str | None,
+    lease_file: str | None,
+    quiet: bool,
+    no_output_beats: bool,
+    beat_while_alive: bool,
+    argv: list[str],
+) -> int:  # fmt: skip
+    from config.keys import Keys
+    from worker import supervisor
+    from worker.lease import LeaseRefused
+
+    assert isinstance(catcher, supervisor.SignalCatcher)
+    s = quick_settings()
+    spec = supervisor.StepSpec(
+        argv=argv,
+        deadline=_seconds("--deadline", deadline, s.deadline),
+        gap=_seconds("--gap", gap, s.heartbeat_gap),
+        grace=_seconds("--grace", grace, s.grace, zero_ok=True),
+        lease_id=check_lease_id(lease_id) if lease_id is not None else None,
+        lease_file=lease_file,
+        output_beats=not no_output_beats,
+        beat_while_alive=beat_while_alive,
+        redis_url=s.redis_url,
+    )
+    client = supervisor.client_for_url(s.redis_url, spec.gap)
+    try:
+        result = supervisor.run_supervised(client, Keys(s.namespace), spec, signals=catcher)
+    except LeaseRefused as exc:
+        raise CommandError(str(exc), EXIT_REFUSED) from None
+    if not quiet:
+        click.echo(result.doc.to_json())
+    return result.exit_code
+
+
+@click.command("beat", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--note", metavar="TEXT", help="Also set the lease's note.")
+def beat_command(note: str | None) -> None:
+    """Renew the lease this process runs under (for the supervised child and its descendants).
+
+    \b
+    Reads OVERNIGHT_LEASE_ID, OVERNIGHT_LEASE_TOKEN, OVERNIGHT_REDIS_URL and
+    OVERNIGHT_NAMESPACE, which `overnight supervise` hands its child. Prints nothing.
+    Exit: 0 renewed, 2 refused (stale token, lapsed or ended: the lease never comes
+    back), 64 no lease in the environment, 69 Redis unreachable.
+    """
+    from worker.lease import LeaseRefused
+    from worker.pulse import LeaseEnv, NoLease, beat
+
+    try:
+        lease = LeaseEnv.from_env()
+    except NoLease as exc:
+        raise CommandError(f"{exc}; run this under overnight supervise", EXIT_USAGE) from None
+    s = quick_settings()
+    lease = LeaseEnv(lease.lease_id, lease.token, s.redis_url, s.namespace)
+    try:
+        beat(note, lease=lease)
+    except LeaseRefused as exc:
+        raise CommandError(f"beat {exc}", EXIT_REFUSED) from None
+
+
+@click.group("lease", context_settings={"help_option_names": ["-h", "--help"]})
+def lease_group() -> None:
+    """Show or list the leases of the namespace (OVERNIGHT_NAMESPACE)."""
+
+
+def _leases() -> object:
+    from config.context import redis_client, settings
+    from config.keys import Keys
+    from worker.lease import Leases
+
+    return Leases(redis_client(), Keys(settings().namespace))
+
+
+@lease_group.command("show")
+@click.argument("lease_id")
+def lease_show(lease_id: str) -> None:
+    """Print one lease document as indented JSON (contract keys first).
+
+    Exit 64 if there is no such lease.
+    """
+    from worker.lease import LeaseCorrupt, Leases
+
+    check_lease_id(lease_id)
+    leases = _leases()
+    assert isinstance(leases, Leases)
+    try:
+        doc = leases.get(lease_id)
+    except LeaseCorrupt as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    if doc is None:
+        raise CommandError(f"no lease {lease_id} in namespace {leases.keys.namespace}")
+    click.echo(doc.to_json())
+
+
+@lease_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document per line instead.")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True,
+              help="At most this many leases, newest first.")  # fmt: skip
+@click.option("--status", type=click.Choice(["running", "done", "expired", "killed"]),
+              help="Only leases with this status.")  # fmt: skip
+def lease_list(as_json: bool, limit: int, status: str | None) -> None:
+    """List recent leases, newest first, one line per lease.
+
+    \b
+    Each line: LEASE_ID STATUS HOLDER_PID HOST STARTED(UTC) NOTE, separated by
+    single spaces (the note last, since it may contain spaces). With --json, each
+    line is instead one lease document as compact JSON (JSON lines).
+    """
+    from datetime import UTC, datetime
+
+    from worker.lease import Leases
+
+    leases = _leases()
+    assert isinstance(leases, Leases)
+    for doc in leases.recent(limit):
+        if status is not None and doc.status != status:
+            continue
+        if as_json:
+            click.echo(json.dumps(doc.public()))
+            continue
+        started = datetime.fromtimestamp(doc.started_unix, UTC)
+        click.echo(f"{doc.lease_id} {doc.status} {doc.holder_pid} {doc.host or '-'} "
+                   f"{started:%Y-%m-%dT%H:%M:%SZ} {doc.note}")  # fmt: skip

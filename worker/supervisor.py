@@ -1,0 +1,757 @@
+"""Running one command under one lease: beats, lapse detection, fail-closed, and the tree kill.
+
+The loop waits on everything at once (``select.poll``): the child's pidfd, its output pipes,
+the signal wakeup pipe, and a timer for the next moment the lease could lapse, a beat is
+due or a Redis retry is due. Nothing here polls by sleeping. Usable in-process (an RQ work
+horse) as well as from ``overnight supervise``; signal handlers only when asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from config.exits import EXIT_HEARTBEAT_GAP, EXIT_LEASE_LOST, EXIT_REFUSED
+from config.keys import Keys
+from worker import procs, tree
+from worker.lease import (
+    LeaseCorrupt,
+    LeaseDoc,
+    LeaseRefused,
+    Leases,
+    Status,
+    lapsed_reason,
+    status_for,
+)
+
+if TYPE_CHECKING:
+    import redis
+
+log = logging.getLogger("overnight.supervisor")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+LINE_MAX = 65536  # a longer run of bytes without a newline is handed on as one line
+_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
+
+
+@dataclass
+class StepSpec:
+    """One command to run under one lease.
+
+    ``deadline`` is the lease budget, ``gap`` the longest silence allowed, ``grace`` the
+    time between SIGTERM and SIGKILL, all in seconds. ``env`` is merged over this process's
+    environment. ``redis_url`` is what the child gets as ``OVERNIGHT_REDIS_URL`` (default:
+    rebuilt from the client). ``install_signals`` makes SIGTERM/SIGINT/SIGHUP to this
+    process end the step (main thread only; the CLI uses it, an RQ horse does not).
+    """
+
+    argv: list[str]
+    deadline: float = 180.0
+    gap: float = 30.0
+    grace: float = 5.0
+    lease_id: str | None = None
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    output_beats: bool = True
+    beat_while_alive: bool = False
+    lease_file: str | None = None
+    task_id: str | None = None
+    install_signals: bool = False
+    redis_url: str | None = None
+    note: str = "boot"
+
+
+@dataclass
+class SupervisedResult:
+    """How a step ended.
+
+    ``exit_code`` is the contract's ``supervise`` exit; ``doc`` the final lease document
+    (as Redis holds it, or as the supervisor last knew it if Redis was lost); ``reason`` the
+    note the supervisor ended the lease with; ``returncode`` the child's own status (negative
+    for a signal, None if it never ran); ``ended_here`` is False when another writer (the
+    reaper) ended the lease first.
+    """
+
+    exit_code: int
+    doc: LeaseDoc
+    reason: str
+    returncode: int | None = None
+    lease_lost: bool = False
+    ended_here: bool = True
+    seconds: float = 0.0
+    kill: tree.KillReport | None = None
+
+
+class SignalCatcher:
+    """Records SIGTERM/SIGINT/SIGHUP and wakes a poll loop through ``set_wakeup_fd``.
+
+    Install it before any slow start-up work, so an early signal is kept, not lost.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+        self.pending: list[int] = []
+        self._old: dict[int, Any] = {}
+        self._old_fd: int | None = None
+
+    @classmethod
+    def install(cls) -> SignalCatcher:
+        """Catch the forwarded signals from now on (main thread only)."""
+        catcher = cls()
+        catcher._old_fd = signal.set_wakeup_fd(catcher.write_fd, warn_on_full_buffer=False)
+        for sig in FORWARDED:
+            catcher._old[sig] = signal.signal(sig, catcher._handle)
+        return catcher
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.pending.append(signum)
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self.read_fd, 512):
+                pass
+
+    def close(self) -> None:
+        """Put the previous handlers back and close the pipe."""
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        if self._old_fd is not None:
+            signal.set_wakeup_fd(self._old_fd)
+        self._old.clear()
+        self._old_fd = None
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def io_timeout(gap: float) -> float:
+    """Socket timeout for a supervisor's Redis calls: well under the gap, so loss shows fast."""
+    return max(0.05, min(1.0, gap / 4))
+
+
+def client_for_url(url: str, gap: float) -> redis.Redis:
+    """A text client with short timeouts and one immediate retry (for a stale connection)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    t = io_timeout(gap)
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=t,
+        socket_connect_timeout=t,
+        retry=Retry(NoBackoff(), 1),
+        decode_responses=True,
+    )
+
+
+def _private_client(client: redis.Redis, gap: float) -> redis.Redis:
+    """A copy of ``client`` with the supervisor's short timeouts (the original if it cannot)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    pool = client.connection_pool
+    if type(pool) is not redis.ConnectionPool or "fakeredis" in type(client).__module__:
+        return client
+    kwargs = dict(pool.connection_kwargs)
+    t = io_timeout(gap)
+    kwargs.update(socket_timeout=t, retry=Retry(NoBackoff(), 1), decode_responses=True)
+    if "socket_connect_timeout" in kwargs:
+        kwargs["socket_connect_timeout"] = t
+    try:
+        new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    except TypeError:
+        return client
+    return redis.Redis(connection_pool=new_pool)
+
+
+def url_of(client: redis.Redis) -> str:
+    """A redis-py URL that reaches the same server as ``client`` (for the child's env)."""
+    from urllib.parse import quote
+
+    kw = client.connection_pool.connection_kwargs
+    auth = ""
+    if kw.get("password"):
+        auth = f"{quote(str(kw.get('username') or ''), safe='')}:"
+        auth += f"{quote(str(kw['password']), safe='')}@"
+    elif kw.get("username"):
+        auth = f"{quote(str(kw['username']), safe='')}@"
+    db = kw.get("db") or 0
+    if kw.get("path"):
+        return f"unix://{auth}{kw['path']}?db={db}"
+    scheme = "rediss" if "SSL" in client.connection_pool.connection_class.__name__ else "redis"
+    return f"{scheme}://{auth}{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{db}"
+
+
+_subreaper_lock = threading.Lock()
+_subreaper_pid = 0
+
+
+def _ensure_subreaper() -> None:
+    global _subreaper_pid
+    with _subreaper_lock:
+        if _subreaper_pid != os.getpid():
+            if not tree.set_child_subreaper():
+                log.warning("host=%s: cannot become a child subreaper", procs.hostname())
+            _subreaper_pid = os.getpid()
+
+
+@dataclass
+class _Outcome:
+    status: Status
+    note: str
+    exit_code: int
+    receipt_kind: str = "lease_ended"
+    first_signal: int = signal.SIGTERM
+    write: bool = True  # False when someone else already ended the lease
+    lost: bool = False
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    import redis
+
+    return (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def run_supervised(
+    client: redis.Redis,
+    keys: Keys,
+    spec: StepSpec,
+    on_output: Callable[[bytes], None] | None = None,
+    *,
+    signals: SignalCatcher | None = None,
+) -> SupervisedResult:
+    """Run ``spec.argv`` under a new lease and block until the step and its tree have ended.
+
+    ``on_output`` gets every output line of the child (stdout and stderr, bytes, with its
+    line ending); None passes output through to this process's stdout/stderr as it comes.
+    ``signals`` is an already installed :class:`SignalCatcher` (the CLI installs one
+    first thing). Raises :class:`~worker.lease.LeaseRefused` if ``spec.lease_id`` exists and
+    redis errors if Redis is unreachable before the child starts; after that, every end is
+    a result (contract section 2's table).
+    """
+    own = None
+    if signals is None and spec.install_signals:
+        own = signals = SignalCatcher.install()
+    try:
+        return _Run(client, keys, spec, on_output, signals).run()
+    finally:
+        if own is not None:
+            own.close()
+
+
+class _Run:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        spec: StepSpec,
+        on_output: Callable[[bytes], None] | None,
+        signals: SignalCatcher | None,
+    ) -> None:
+        if not spec.argv:
+            raise ValueError("argv is empty")
+        if not (spec.gap > 0 and spec.deadline > 0 and spec.grace >= 0):
+            raise ValueError("gap and deadline must be > 0 and grace >= 0")
+        self.client = _private_client(client, spec.gap)
+        self.keys = keys
+        self.spec = spec
+        self.on_output = on_output
+        self.signals = signals
+        self.leases = Leases(self.client, keys)
+        self.errors = _redis_errors()
+        self.host = procs.hostname()
+        self.min_interval = min(0.25, spec.gap / 4)
+        self.alive_interval = max(0.05, min(spec.gap / 4, 10.0))
+        self.retry_interval = max(0.02, min(0.1, spec.gap / 10))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pidfd = -1
+        self.ticks: int | None = None
+        self.buffers: dict[int, bytearray] = {}
+        self.passthrough: dict[int, int] = {}
+        self.beat_pending = False
+        self.last_beat = 0.0
+        self.lapse_at = 0.0
+        self.unreachable_since: float | None = None
+        self.retry_at = 0.0
+        self.doc: LeaseDoc
+        self.lease_id = ""
+        self.token = 0
+
+    # --- the whole step ----------------------------------------------------------------
+
+    def run(self) -> SupervisedResult:
+        started = time.monotonic()
+        spec = self.spec
+        t0 = time.monotonic()
+        self.doc = self.leases.acquire(
+            budget_sec=spec.deadline,
+            gap_sec=spec.gap,
+            lease_id=spec.lease_id,
+            supervisor_pid=os.getpid(),
+            task_id=spec.task_id,
+            note=spec.note,
+        )
+        self.lease_id, self.token = self.doc.lease_id, self.doc.token
+        self.last_beat = t0
+        self.lapse_at = t0 + min(spec.gap, spec.deadline)
+        self._mirror(self.doc)
+        log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
+        try:
+            outcome = self._start_and_wait()
+        except BaseException as exc:
+            # Whatever went wrong here, the tree must not outlive the step.
+            self._abort(exc)
+            raise
+        return self._finish(outcome, started)
+
+    def _start_and_wait(self) -> _Outcome:
+        early = self._pending_signal()
+        if early is not None:
+            return self._signal_outcome(early)
+        _ensure_subreaper()
+        try:
+            self._spawn()
+        except OSError as exc:
+            code = 127 if isinstance(exc, FileNotFoundError) else 126
+            log.warning("lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host,
+                        self.spec.argv[0], exc)  # fmt: skip
+            return _Outcome("killed", f"worker-exit-{code}", code)
+        self._attach()
+        return self._loop()
+
+    def _spawn(self) -> None:
+        spec = self.spec
+        env = dict(os.environ)
+        env.update(spec.env or {})
+        env.update(
+            OVERNIGHT_LEASE_ID=self.lease_id,
+            OVERNIGHT_LEASE_TOKEN=str(self.token),
+            OVERNIGHT_REDIS_URL=spec.redis_url or url_of(self.client),
+            OVERNIGHT_NAMESPACE=self.keys.namespace,
+        )
+        proc = subprocess.Popen(
+            spec.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=spec.cwd,
+            env=env,
+            start_new_session=True,
+            bufsize=0,
+        )
+        self.proc = proc
+        self.pidfd = os.pidfd_open(proc.pid)
+        row = tree.read_proc(proc.pid)
+        self.ticks = row.start if row is not None else None
+        assert proc.stdout is not None and proc.stderr is not None
+        for stream, target in ((proc.stdout, 1), (proc.stderr, 2)):
+            fd = stream.fileno()
+            os.set_blocking(fd, False)
+            self.buffers[fd] = bytearray()
+            self.passthrough[fd] = target
+
+    def _attach(self) -> None:
+        assert self.proc is not None
+        pid = self.proc.pid
+        self.doc.holder_pid, self.doc.pgid, self.doc.child_start_ticks = pid, pid, self.ticks
+        try:
+            self.leases.attach(self.lease_id, self.token, pid=pid, pgid=pid, start=self.ticks)
+        except LeaseRefused as exc:
+            log.warning("lease=%s host=%s: attach refused: %s", self.lease_id, self.host,
+                        exc.reason)  # fmt: skip
+        except self.errors:
+            self._unreachable(time.monotonic())
+        self._mirror(self.doc)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> _Outcome:
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        if self.signals is not None:
+            poller.register(self.signals.read_fd, select.POLLIN)
+        for fd in self.buffers:
+            poller.register(fd, _POLL_IN)
+        while True:
+            now = time.monotonic()
+            wait = max(0.0, self._next_wake() - now)
+            events = poller.poll(math.ceil(wait * 1000))
+            fds = {fd for fd, _ in events}
+            if self.pidfd in fds:
+                return self._child_exit()
+            if self.signals is not None and self.signals.read_fd in fds:
+                self.signals.drain()
+                sig = self._pending_signal()
+                if sig is not None:
+                    return self._signal_outcome(sig)
+            for fd in fds & set(self.buffers):
+                if self._read(fd, poller) and self.spec.output_beats:
+                    self.beat_pending = True
+            outcome = self._tick(time.monotonic())
+            if outcome is not None:
+                return outcome
+
+    def _next_wake(self) -> float:
+        wake = self.lapse_at
+        if self.beat_pending:
+            wake = min(wake, self.last_beat + self.min_interval)
+        if self.spec.beat_while_alive:
+            wake = min(wake, self.last_beat + self.alive_interval)
+        if self.unreachable_since is not None:
+            wake = min(wake, self.retry_at, self.unreachable_since + self.spec.gap)
+        return wake
+
+    def _tick(self, now: float) -> _Outcome | None:
+        if self.spec.beat_while_alive and now >= self.last_beat + self.alive_interval:
+            self.beat_pending = True
+        if self.unreachable_since is not None:
+            if now - self.unreachable_since >= self.spec.gap:
+                return self._lost(f"Redis unreachable for {now - self.unreachable_since:.1f}s")
+            if now < self.retry_at:
+                return None
+            # Retry whatever is owed; a probe doubles as the reachability check.
+            if self.beat_pending:
+                return self._beat(now)
+            return self._probe()
+        if self.beat_pending and now >= self.last_beat + self.min_interval:
+            outcome = self._beat(now)
+            if outcome is not None or self.unreachable_since is not None:
+                return outcome
+        if time.monotonic() >= self.lapse_at:
+            return self._probe()
+        return None
+
+    def _beat(self, now: float) -> _Outcome | None:
+        t = time.monotonic()
+        try:
+            secs = self.leases.beat(self.lease_id, self.token)
+        except LeaseRefused as exc:
+            return self._refused(exc.reason)
+        except self.errors:
+            self._unreachable(t)
+            return None
+        self._reachable()
+        self.beat_pending = False
+        self.last_beat = t
+        self.lapse_at = t + secs
+        return None
+
+    def _probe(self) -> _Outcome | None:
+        t = time.monotonic()
+        try:
+            pttl, doc, server_now = self.leases.probe(self.lease_id)
+        except LeaseCorrupt as exc:
+            return self._lost(str(exc))
+        except self.errors:
+            self._unreachable(t)
+            return None
+        self._reachable()
+        if doc is None or doc.token != self.token:
+            return self._lost("the lease record is gone")
+        if doc.status != "running":
+            return self._ended_elsewhere(doc.status)
+        if pttl >= 0:
+            self.lapse_at = t + max(pttl, 1) / 1000
+            return None
+        if pttl == -1:  # no TTL: cannot happen through our scripts; look again in a gap
+            self.lapse_at = t + self.spec.gap
+            return None
+        self.doc = doc
+        reason = lapsed_reason(doc, server_now)
+        status = status_for(reason)
+        code = EXIT_REFUSED if status == "expired" else EXIT_HEARTBEAT_GAP
+        log.warning("lease=%s host=%s: lapsed (%s); ending the tree", self.lease_id, self.host,
+                    reason)  # fmt: skip
+        return _Outcome(status, reason, code, receipt_kind="subprocess_lease_expired")
+
+    def _refused(self, reason: str) -> _Outcome | None:
+        if reason in ("lapsed", "deadline"):
+            return self._probe() or self._lost(f"beat refused: {reason}")
+        if reason.startswith("not-running:"):
+            return self._ended_elsewhere(reason.split(":", 1)[1])
+        return self._lost(f"beat refused: {reason}")
+
+    def _ended_elsewhere(self, status: str) -> _Outcome:
+        log.warning("lease=%s host=%s: already ended (%s) by another writer; ending the tree",
+                    self.lease_id, self.host, status)  # fmt: skip
+        code = EXIT_REFUSED if status == "expired" else EXIT_HEARTBEAT_GAP
+        return _Outcome("killed", f"ended-elsewhere:{status}", code, write=False)
+
+    def _lost(self, why: str) -> _Outcome:
+        log.error("lease=%s host=%s: lease lost (%s); killing the tree", self.lease_id,
+                  self.host, why)  # fmt: skip
+        return _Outcome("killed", "lease-lost", EXIT_LEASE_LOST, lost=True)
+
+    def _unreachable(self, t: float) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = t
+            log.warning("lease=%s host=%s: Redis unreachable; the child keeps running for "
+                        "up to %.1fs", self.lease_id, self.host, self.spec.gap)  # fmt: skip
+        self.retry_at = time.monotonic() + self.retry_interval
+
+    def _reachable(self) -> None:
+        if self.unreachable_since is not None:
+            log.warning("lease=%s host=%s: Redis reachable again after %.2fs", self.lease_id,
+                        self.host, time.monotonic() - self.unreachable_since)  # fmt: skip
+            self.unreachable_since = None
+
+    def _pending_signal(self) -> int | None:
+        if self.signals is None or not self.signals.pending:
+            return None
+        return self.signals.pending[0]
+
+    def _signal_outcome(self, sig: int) -> _Outcome:
+        log.warning("lease=%s host=%s: got signal %d; ending the tree", self.lease_id,
+                    self.host, sig)  # fmt: skip
+        return _Outcome("killed", f"supervisor-signal-{sig}", 128 + sig, first_signal=sig)
+
+    def _child_exit(self) -> _Outcome:
+        assert self.proc is not None
+        info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        if info.si_code == os.CLD_EXITED:
+            if info.si_status == 0:
+                return _Outcome("done", "worker-complete", 0)
+            return _Outcome("killed", f"worker-exit-{info.si_status}", info.si_status)
+        return _Outcome("killed", f"worker-signal-{info.si_status}", 128 + info.si_status)
+
+    # --- output -----------------------------------------------------------------------------
+
+    def _read(self, fd: int, poller: select.poll) -> bool:
+        """Read what is there; True if a line (or a carriage-return update) was completed."""
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            poller.unregister(fd)
+            self._flush(fd)
+            return False
+        if self.on_output is None:
+            self._pass(fd, data)
+        else:
+            buf = self.buffers[fd]
+            buf += data
+            while True:
+                cut = buf.find(b"\n")
+                if cut < 0:
+                    break
+                self._emit(bytes(buf[: cut + 1]))
+                del buf[: cut + 1]
+            if len(buf) >= LINE_MAX:
+                self._emit(bytes(buf))
+                buf.clear()
+        return b"\n" in data or b"\r" in data
+
+    def _pass(self, fd: int, data: bytes) -> None:
+        target = self.passthrough.get(fd, -1)
+        view = memoryview(data)
+        while target >= 0 and view:
+            try:
+                view = view[os.write(target, view) :]
+            except BlockingIOError:
+                select.select([], [target], [], 1.0)
+            except OSError:
+                self.passthrough[fd] = -1  # our own output is gone; keep supervising
+                return
+
+    def _emit(self, line: bytes) -> None:
+        assert self.on_output is not None
+        try:
+            self.on_output(line)
+        except Exception:
+            log.exception("lease=%s host=%s: on_output failed", self.lease_id, self.host)
+
+    def _flush(self, fd: int) -> None:
+        buf = self.buffers.get(fd)
+        if buf and self.on_output is not None:
+            self._emit(bytes(buf))
+            buf.clear()
+
+    def _drain(self, timeout: float) -> None:
+        """Read the pipes until both reach EOF or ``timeout`` passes."""
+        open_fds = [fd for fd in self.buffers if fd >= 0]
+        poller = select.poll()
+        for fd in open_fds:
+            poller.register(fd, _POLL_IN)
+        end = time.monotonic() + timeout
+        live = set(open_fds)
+        while live:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ in poller.poll(math.ceil(left * 1000)):
+                try:
+                    data = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    live.discard(fd)
+                    poller.unregister(fd)
+                    continue
+                if self.on_output is None:
+                    self._pass(fd, data)
+                else:
+                    self.buffers[fd] += data
+                    buf = self.buffers[fd]
+                    while (cut := buf.find(b"\n")) >= 0:
+                        self._emit(bytes(buf[: cut + 1]))
+                        del buf[: cut + 1]
+        for fd in open_fds:
+            self._flush(fd)
+
+    # --- the end ----------------------------------------------------------------------------
+
+    def _kill_tree(self, outcome: _Outcome) -> tree.KillReport | None:
+        if self.proc is None:
+            return None
+        seen = len(self.signals.pending) if self.signals is not None else 0
+
+        def hurry() -> bool:
+            # A second signal while we wait out the grace means: kill now.
+            if self.signals is None:
+                return False
+            self.signals.drain()
+            return len(self.signals.pending) > seen
+
+        target = tree.Tree(
+            root=self.proc.pid,
+            root_start=self.ticks,
+            lease_id=self.lease_id,
+            adopter=os.getpid(),
+            group_safe=True,
+            keep_unreaped={self.proc.pid},
+        )
+        wake = [self.signals.read_fd] if self.signals is not None else []
+        report = tree.end_tree(
+            target, self.spec.grace, first_signal=outcome.first_signal, hurry=hurry, wake_fds=wake
+        )
+        if report.signalled or report.killed:
+            log.warning("lease=%s host=%s: ended %d process(es) of the tree in %.2fs",
+                        self.lease_id, self.host, len(report.signalled | report.killed),
+                        report.seconds)  # fmt: skip
+        return report
+
+    def _finish(self, outcome: _Outcome, started: float) -> SupervisedResult:
+        if self.proc is not None:
+            self._drain(0.0)
+        report = self._kill_tree(outcome)
+        returncode = None
+        if self.proc is not None:
+            returncode = self.proc.wait()
+            self._drain(0.5)
+            self._close_child()
+        ended_here = False
+        if outcome.write:
+            ended_here, outcome = self._write_end(outcome)
+        doc = self._final_doc(outcome)
+        self._mirror(doc)
+        log.info("lease=%s host=%s task=%s: ended %s/%s, exit %d", self.lease_id, self.host,
+                 self.spec.task_id, doc.status, doc.note, outcome.exit_code)  # fmt: skip
+        return SupervisedResult(
+            exit_code=outcome.exit_code,
+            doc=doc,
+            reason=outcome.note,
+            returncode=returncode,
+            lease_lost=outcome.lost,
+            ended_here=ended_here,
+            seconds=time.monotonic() - started,
+            kill=report,
+        )
+
+    def _write_end(self, outcome: _Outcome) -> tuple[bool, _Outcome]:
+        """End the lease, retrying through a Redis outage no longer than the gap."""
+        now = time.monotonic()
+        since = self.unreachable_since if self.unreachable_since is not None else now
+        give_up = max(since + self.spec.gap, now + (max(self.spec.gap, 1.0) if outcome.lost else 0))
+        while True:
+            try:
+                self.leases.end(self.lease_id, self.token, outcome.status, outcome.note,
+                                exit_code=outcome.exit_code,
+                                receipt_kind=outcome.receipt_kind)  # fmt: skip
+                return True, outcome
+            except LeaseRefused as exc:
+                log.warning("lease=%s host=%s: end refused: %s", self.lease_id, self.host,
+                            exc.reason)  # fmt: skip
+                return False, outcome
+            except self.errors:
+                if time.monotonic() >= give_up:
+                    break
+                time.sleep(self.retry_interval)
+        log.error("lease=%s host=%s: could not record the end (%s); lease lost",
+                  self.lease_id, self.host, outcome.note)  # fmt: skip
+        if outcome.lost:
+            return False, outcome
+        return False, _Outcome("killed", "lease-lost", EXIT_LEASE_LOST, lost=True)
+
+    def _final_doc(self, outcome: _Outcome) -> LeaseDoc:
+        with contextlib.suppress(*self.errors, LeaseCorrupt):
+            doc = self.leases.get(self.lease_id)
+            if doc is not None and doc.token == self.token:
+                return doc
+        doc = self.doc
+        if doc.status == "running":
+            doc.status = outcome.status
+            doc.note = outcome.note
+            doc.exit_code = outcome.exit_code
+            doc.ended_unix = time.time()
+        return doc
+
+    def _close_child(self) -> None:
+        assert self.proc is not None
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self.buffers = {}
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = -1
+
+    def _abort(self, exc: BaseException) -> None:
+        log.error("lease=%s host=%s: supervisor failed (%s: %s); ending the tree",
+                  self.lease_id, self.host, type(exc).__name__, exc)  # fmt: skip
+        with contextlib.suppress(Exception):
+            outcome = _Outcome("killed", f"supervisor-error:{type(exc).__name__}", 1)
+            self._kill_tree(outcome)
+            if self.proc is not None:
+                self.proc.wait()
+                self._close_child()
+            self.leases.end(self.lease_id, self.token, "killed", outcome.note, exit_code=1)
+
+    def _mirror(self, doc: LeaseDoc) -> None:
+        path = self.spec.lease_file
+        if not path:
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(doc.public(), fh, indent=2)
+                fh.write("\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("lease=%s host=%s: cannot write %s: %s", self.lease_id, self.host,
+                        path, exc)  # fmt: skip
+
+
+__all__ = ["SignalCatcher", "StepSpec", "SupervisedResult", "run_supervised"]
