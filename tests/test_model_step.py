@@ -1,0 +1,122 @@
+"""The built-in model step against a real local HTTP server (started by the test), and the stub."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SECRET = "sk-test-secret-0123456789"
+
+
+class Model:
+    """A tiny OpenAI-compatible server: mode is "ok", "500" or "hang"."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.requests: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        model = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                model.requests.append(
+                    {"path": self.path, "auth": self.headers.get("Authorization"), "body": body}
+                )
+                if model.mode == "hang":
+                    model.release.wait(30)
+                    return
+                if model.mode == "500":
+                    self.send_response(500)
+                    self.end_headers()
+                    self.wfile.write(b'{"error": "boom"}')
+                    return
+                answer = {"choices": [{"message": {"role": "assistant", "content": "ANSWER-42"}}]}
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Model:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def model_env(env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, str]]:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Assignment:\nsay hello\n")
+    yield {**env, "OVERNIGHT_PROMPT_FILE": str(prompt), "OVERNIGHT_TURN": "2"}
+
+
+def run_step(env: dict[str, str], cwd: Path, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.model_step"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def test_stub_writes_the_answer_without_network(model_env: dict[str, str], tmp_path: Path) -> None:
+    proc = run_step(model_env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "out" / "turn-002.json").read_text())
+    assert record["source"] == "stub" and record["model"] == "echo-stub"
+    assert "say hello" in record["answer"]
+    assert (tmp_path / "out" / "answer.md").read_text() == record["answer"]
+    again = run_step(model_env, tmp_path)
+    assert again.stdout == proc.stdout  # deterministic
+
+
+def test_real_server_answer(model_env: dict[str, str], tmp_path: Path) -> None:
+    with Model("ok") as model:
+        env = {**model_env, "OVERNIGHT_MODEL_URL": model.url, "OVERNIGHT_MODEL_API_KEY": SECRET}
+        proc = run_step(env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    [req] = model.requests
+    assert req["path"] == "/v1/chat/completions"
+    assert req["auth"] == f"Bearer {SECRET}"
+    assert req["body"]["messages"][-1]["content"].startswith("Assignment:")
+    record = json.loads((tmp_path / "out" / "turn-002.json").read_text())
+    assert record["answer"] == "ANSWER-42" and record["source"] == "http"
+    assert SECRET not in proc.stdout + proc.stderr
+
+
+def test_server_error_fails_the_step_without_leaking_the_key(
+    model_env: dict[str, str], tmp_path: Path
+) -> None:
+    with Model("500") as model:
+        env = {**model_env, "OVERNIGHT_MODEL_URL": model.url + "/v1", "OVERNIGHT_MODEL_API_KEY": SECRET}
+        proc = run_step(env, tmp_path)
+    assert proc.returncode == 1
+    assert "HTTP 500" in proc.stderr and SECRET not in proc.stdout + proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_hanging_server_is_bounded_by_the_timeout(model_env: dict[str, str], tmp_path: Path) -> None:
+    with Model("hang") as model:
+        env = {**model_env, "OVERNIGHT_MODEL_URL": model.url, "OVERNIGHT_MODEL_TIMEOUT": "0.5"}
+        proc = run_step(env, tmp_path, timeout=10)
+    assert proc.returncode == 1 and "unreachable" in proc.stderr
