@@ -248,6 +248,33 @@ class Leases:
         )  # fmt: skip
         _check(lease_id, res)
 
+    def end_many(
+        self,
+        ends: list[tuple[str, int, Status, str]],
+        *,
+        only_if_lapsed: bool = False,
+        writer: str = "supervisor",
+        receipt_kind: str = "lease_ended",
+    ) -> list[str | None]:
+        """:meth:`end` for many ``(lease_id, token, status, note)`` in one round trip.
+
+        Each end is still its own atomic script call; returns, per item, None if it was
+        written or the refusal reason.
+        """
+        k = self.keys
+        pipe = self.client.pipeline(transaction=False)
+        for lease_id, token, status, note in ends:
+            self._end(
+                keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
+                args=[token, status, note, "", "1" if only_if_lapsed else "0", writer,
+                      receipt_kind, STREAM_MAXLEN, RETENTION_SEC, procs.hostname()],
+                client=pipe,
+            )  # fmt: skip
+        out: list[str | None] = []
+        for res in pipe.execute():
+            out.append(None if int(res[0]) == 1 else _text(res[1]))
+        return out
+
     def get(self, lease_id: str) -> LeaseDoc | None:
         """The lease document, or None if there is no such lease."""
         raw = self.client.hgetall(self.keys.lease(lease_id))
