@@ -26,7 +26,6 @@ from worker import procs
 from worker.lease import (
     LeaseCorrupt,
     LeaseDoc,
-    LeaseRefused,
     Leases,
     Status,
     lapsed_reason,
@@ -241,16 +240,24 @@ def _reap_batch(
         report.survivors += survivors
 
     left = 0
+    ending: list[tuple[LeaseDoc, Decision]] = []
     for lease_id, doc, d in decisions:
         if d.action == "skip":
             report.skipped += 1
             left += 1
-            continue
-        if d.action == "prune":
+        elif d.action == "prune":
             _prune(client, keys, prune, lease_id, d, report)
-            continue
-        assert doc is not None and d.status is not None
-        _end(leases, doc, d, signalled.get(doc.lease_id, 0), report)
+        elif doc is not None:
+            ending.append((doc, d))
+    if ending:
+        refusals = leases.end_many(
+            [(doc.lease_id, doc.token, d.status or "killed", d.note) for doc, d in ending],
+            only_if_lapsed=True,
+            writer="reaper",
+            receipt_kind=RECEIPT_KIND,
+        )
+        for (doc, d), refused in zip(ending, refusals, strict=True):
+            _record(doc, d, refused, signalled.get(doc.lease_id, 0), report)
     return left
 
 
@@ -303,17 +310,17 @@ def _kill_trees(
     return counts, len(result.survivors)
 
 
-def _end(leases: Leases, doc: LeaseDoc, d: Decision, signalled: int, report: PassReport) -> None:
-    assert d.status is not None
-    try:
-        leases.end(doc.lease_id, doc.token, d.status, d.note, only_if_lapsed=True,
-                   writer="reaper", receipt_kind=RECEIPT_KIND)  # fmt: skip
-    except LeaseRefused as exc:
+def _record(
+    doc: LeaseDoc, d: Decision, refused: str | None, signalled: int, report: PassReport
+) -> None:
+    if refused is not None:
         report.refused += 1
-        report.actions.append(ActionRecord(doc.lease_id, doc.host, doc.holder_pid, "refused",
-                                           exc.reason, signalled=signalled))  # fmt: skip
+        report.actions.append(
+            ActionRecord(doc.lease_id, doc.host, doc.holder_pid, "refused", refused,
+                         signalled=signalled)
+        )  # fmt: skip
         log.info("lease=%s host=%s pid=%d not ended: %s (someone else ended it first)",
-                 doc.lease_id, doc.host, doc.holder_pid, exc.reason)  # fmt: skip
+                 doc.lease_id, doc.host, doc.holder_pid, refused)  # fmt: skip
         return
     report.ended += 1
     outcome = "reaped" if d.action == "reap" else "ended"

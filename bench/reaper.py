@@ -1,0 +1,217 @@
+"""Reaper benchmark: orphan latency after a supervisor is SIGKILLed, and pass cost at scale.
+
+``.venv/bin/python -m bench.reaper`` starts its own private redis-server. Targets (issue 4):
+orphan latency (tree dead - supervisor SIGKILL) <= gap + interval + 0.5 s; a pass over
+100,000 live leases of which 100 lapsed <= 50 ms and within 2x of the 100-lease pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from config.keys import Keys
+from coordinator.embedded_redis import EmbeddedRedis
+from worker import procs
+from worker.reaper import reap_once
+
+OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
+CHILD = "setsid sleep 300 & echo $! > {pids}; while :; do echo tick; sleep 0.1; done"
+
+# Used only when `overnight supervise` is not available: acquire, spawn the child as the
+# supervisor would (own session, tagged), attach, beat every 0.1 s until SIGKILLed.
+STAND_IN = """
+import os, subprocess, sys, time
+import redis
+from config.keys import Keys
+from worker import procs
+from worker.lease import Leases
+url, ns, gap, script = sys.argv[1:5]
+leases = Leases(redis.Redis.from_url(url), Keys(ns))
+doc = leases.acquire(budget_sec=600, gap_sec=float(gap), supervisor_pid=os.getpid())
+child = subprocess.Popen(["sh", "-c", script], start_new_session=True,
+                         env={**os.environ, "OVERNIGHT_LEASE_ID": doc.lease_id},
+                         stdout=subprocess.DEVNULL)
+leases.attach(doc.lease_id, doc.token, pid=child.pid, pgid=child.pid,
+              start=procs.start_ticks(child.pid))
+print(doc.lease_id, child.pid, flush=True)
+while True:
+    leases.beat(doc.lease_id, doc.token)
+    time.sleep(0.1)
+"""
+
+
+def _has_supervise() -> bool:
+    done = subprocess.run([OVERNIGHT, "supervise", "--help"], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _wait(predicate: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _child_pids(supervisor: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(supervisor)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def orphan_latency(
+    server: EmbeddedRedis, runs: int, gap: float, interval: float, work: Path
+) -> list[float]:
+    """Seconds from SIGKILL of a supervisor to the death of its whole tree, per run."""
+    ns = f"bench-orphan-{os.getpid()}"
+    env = {**os.environ, "OVERNIGHT_REDIS_URL": server.url, "OVERNIGHT_NAMESPACE": ns}
+    real = _has_supervise()
+    print(f"orphan latency: {'overnight supervise' if real else 'stand-in supervisor'}, "
+          f"gap {gap}s, reaper interval {interval}s, {runs} runs")  # fmt: skip
+    reaper = subprocess.Popen(
+        [OVERNIGHT, "reaper", "--interval", str(interval), "--grace", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis.from_url(server.url)
+    _wait(lambda: client.exists(Keys(ns).reaper_host(procs.hostname())), 10)
+    results: list[float] = []
+    try:
+        for i in range(runs):
+            pids = work / f"pids-{i}"
+            script = CHILD.format(pids=pids)
+            if real:
+                cmd = [OVERNIGHT, "supervise", "--quiet", "--gap", str(gap), "--grace", "1",
+                       "--", "sh", "-c", script]  # fmt: skip
+            else:
+                cmd = [sys.executable, "-c", STAND_IN, server.url, ns, str(gap), script]
+            sup = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+            if not _wait(lambda pids=pids: pids.exists() and pids.read_text().strip(), 10):  # type: ignore[misc]
+                raise RuntimeError("the supervised child did not start")
+            grandchild = int(pids.read_text())
+            tree = [*_child_pids(sup.pid), grandchild]
+            time.sleep(0.3)  # let a few beats land
+            killed = time.monotonic()
+            sup.send_signal(signal.SIGKILL)
+            sup.wait()
+            if not _wait(lambda tree=tree: not any(_alive(p) for p in tree), 30):  # type: ignore[misc]
+                raise RuntimeError(f"tree {tree} still alive 30 s after SIGKILL")
+            results.append(time.monotonic() - killed)
+            print(f"  run {i + 1}: {results[-1]:.3f}s")
+    finally:
+        reaper.send_signal(signal.SIGTERM)
+        reaper.wait(15)
+        client.close()
+    return results
+
+
+def _populate(client: redis.Redis, keys: Keys, live: int, lapsed: int, now_ms: int) -> None:
+    """``live`` running leases far from lapsing plus ``lapsed`` whose key is gone: half on a
+    host whose reaper is alive (left alone), half on this host naming pids that do not exist
+    (reaped: checked, scanned for, ended)."""
+    host = procs.hostname()
+    boot = procs.boot_id()
+    client.set(keys.reaper_host("bench-busy-host"), "1", px=600_000)
+    pipe = client.pipeline(transaction=False)
+    for i in range(live + lapsed):
+        lease_id = f"b{i}"
+        is_lapsed = i >= live
+        on_host = host if not is_lapsed or i % 2 else "bench-busy-host"
+        now = now_ms / 1000
+        pipe.hset(keys.lease(lease_id), mapping={
+            "lease_id": lease_id, "token": str(i + 1), "holder_pid": str(2**22 + 100 + i),
+            "pgid": str(2**22 + 100 + i), "host": on_host, "budget_sec": "600",
+            "started_unix": f"{now - 60:.6f}", "deadline_unix": f"{now + 540:.6f}",
+            "heartbeat_unix": f"{now - (5 if is_lapsed else 0):.6f}",
+            "heartbeat_max_gap_sec": "3", "status": "running", "note": "bench",
+            "exit_code": "", "ended_unix": "", "supervisor_pid": "0",
+            "child_start_ticks": "12345", "boot_id": boot, "task_id": "",
+        })  # fmt: skip
+        if is_lapsed:
+            pipe.zadd(keys.lease_expiry, {lease_id: now_ms - 2000})
+        else:
+            pipe.set(keys.lease_alive(lease_id), str(i + 1), px=600_000)
+            pipe.zadd(keys.lease_expiry, {lease_id: now_ms + 600_000})
+        if len(pipe) >= 5000:
+            pipe.execute()
+    pipe.execute()
+
+
+def pass_cost(server: EmbeddedRedis, sizes: list[int], lapsed: int, repeats: int) -> dict[int, float]:
+    """Median seconds of one pass, per total number of leases."""
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    out: dict[int, float] = {}
+    try:
+        for size in sizes:
+            times: list[float] = []
+            for rep in range(repeats):
+                client.flushdb()
+                keys = Keys(f"bench-scale-{size}-{rep}")
+                secs, micros = client.time()
+                _populate(client, keys, size - lapsed, lapsed, int(secs) * 1000 + int(micros) // 1000)
+                began = time.perf_counter()
+                report = reap_once(client, keys, grace=1.0, hold_off=0.0)
+                times.append(time.perf_counter() - began)
+                assert report.lapsed == lapsed, report.summary()
+                assert report.ended == lapsed // 2 and report.signalled == 0, report.summary()
+            out[size] = statistics.median(times)
+            print(f"  {size:>7,} leases ({lapsed} lapsed): median pass {out[size] * 1000:.1f} ms "
+                  f"(best {min(times) * 1000:.1f}, worst {max(times) * 1000:.1f})")  # fmt: skip
+        client.flushdb()
+    finally:
+        client.close()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--gap", type=float, default=1.0)
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-latency", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-reaper-"))
+    ok = True
+    try:
+        with EmbeddedRedis(work / "redis") as server:
+            if not args.skip_latency:
+                lat = orphan_latency(server, args.runs, args.gap, args.interval, work)
+                target = args.gap + args.interval + 0.5
+                med, worst = statistics.median(lat), max(lat)
+                ok &= worst <= target
+                print(f"orphan latency: median {med:.3f}s, worst {worst:.3f}s "
+                      f"(target <= {target:.1f}s) {'OK' if worst <= target else 'MISSED'}")  # fmt: skip
+            print("pass cost:")
+            cost = pass_cost(server, [100, 10_000, 100_000], 100, args.repeats)
+            big, small = cost[100_000], cost[100]
+            fine = big <= 0.050 and big <= 2 * small
+            ok &= fine
+            print(f"pass cost: 100 -> {small * 1000:.1f} ms, 10,000 -> {cost[10_000] * 1000:.1f} ms, "
+                  f"100,000 -> {big * 1000:.1f} ms (target <= 50 ms and <= 2x the 100-lease pass) "
+                  f"{'OK' if fine else 'MISSED'}")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
