@@ -15,10 +15,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.steps import StepOutcome, StepRequest, StepRunner, child_env
+from coordinator.steps import StepOutcome, StepRequest, StepRunner
 from coordinator.taskfile import TaskSpec
 from coordinator.taskstore import (
     PAUSED,
@@ -68,6 +68,8 @@ class LoopConfig:
     claim_ttl: float = 15.0
     max_lost_leases: int = 3
     prompt_dir: Path = Path("/tmp/overnight")
+    # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
+    model_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
@@ -259,6 +261,7 @@ class TaskLoop:
         cp.last_verdict = verdict
         receipts.append(("verdict", receipt_body(rec.id, **verdict.model_dump(), ok=verdict.ok)))
         if verdict.ok:
+            cp.memory = None
             return self._end(rec, cp, "finished_verified", "every rule passed", receipts)
         first = next(r for r in cp.results if not r.passed)
         cp.memory = Memory(
@@ -305,7 +308,7 @@ class TaskLoop:
                 rule.name,
                 list(rule.run),
                 spec.workdir,
-                child_env(base, keep_model_key=False),
+                base,
                 deadline,
                 gap,
                 self.config.grace,
@@ -318,12 +321,14 @@ class TaskLoop:
         short = _clip(prompt)
         argv = [a.replace("{prompt}", short) for a in spec.agent] if spec.agent else MODEL_STEP
         env = {**base, "OVERNIGHT_PROMPT": short, "OVERNIGHT_PROMPT_FILE": str(prompt_file)}
+        if spec.agent is None:
+            env.update(self.config.model_env)
         return StepRequest(
             rec.id,
             "agent",
             argv,
             spec.workdir,
-            child_env(env, keep_model_key=spec.agent is None),
+            env,
             deadline,
             gap,
             self.config.grace,

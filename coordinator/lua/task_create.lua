@@ -17,7 +17,7 @@ for i = 1, n do
   redis.call('HSET', hash, 'id', ARGV[a], 'spec', ARGV[a + 1], 'run', ARGV[a + 2],
     'queue', ARGV[a + 3], 'state', 'queued', 'detail', '', 'attempt', '1', 'calls_used', '0',
     'checkpoint', '{}', 'submitted_unix', ARGV[1], 'updated_unix', ARGV[1])
-  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[a])
+  redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + (i - 1) / 1000000, ARGV[a])
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'kind', 'task_submitted',
     'data', ARGV[a + 4])
 end
