@@ -1,0 +1,399 @@
+"""`overnight supervise` end to end: real redis-server, real subprocesses, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from config.keys import Keys
+from tests.conftest import OVERNIGHT
+from tests.helpers import kill_quietly, pid_alive, wait_for
+from worker.lease import CONTRACT_FIELDS, Leases
+
+PY = sys.executable
+
+
+def start(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[str]:
+    """Start ``overnight supervise ARGS`` in the background."""
+    return subprocess.Popen(
+        [OVERNIGHT, "supervise", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def supervise(
+    args: list[str], env: dict[str, str], timeout: float = 30
+) -> tuple[int, dict[str, Any], str]:
+    """Run ``overnight supervise ARGS``; returns (exit code, final document, child output)."""
+    proc = start(args, env)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, final_doc(out), out + err
+
+
+def final_doc(stdout: str) -> dict[str, Any]:
+    """The lease document printed at the end of stdout (after the child's own output)."""
+    at = stdout.rfind('{\n  "lease_id"')
+    assert at >= 0, f"no lease document in {stdout!r}"
+    doc: dict[str, Any] = json.loads(stdout[at:])
+    return doc
+
+
+def read_pids(path: Path, count: int, timeout: float = 10) -> list[int]:
+    """Wait until ``path`` holds ``count`` PIDs (one a line) and return them."""
+
+    def ready() -> list[int] | None:
+        try:
+            lines = path.read_text().split()
+        except FileNotFoundError:
+            return None
+        return [int(x) for x in lines] if len(lines) >= count else None
+
+    return wait_for(ready, timeout=timeout)
+
+
+def assert_all_gone(pids: list[int], timeout: float = 5) -> None:
+    try:
+        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=timeout)
+    finally:
+        for pid in pids:
+            kill_quietly(pid)
+    assert not any(pid_alive(p) for p in pids)
+
+
+# --- the table of contract section 2 ----------------------------------------------------
+
+
+def test_happy_path(env: dict[str, str], r: redis.Redis, namespace: str) -> None:
+    code, doc, out = supervise(["--", "sh", "-c", "echo hello"], env)
+    assert code == 0
+    assert "hello" in out
+    assert list(doc)[: len(CONTRACT_FIELDS)] == list(CONTRACT_FIELDS)
+    assert (doc["status"], doc["note"], doc["exit_code"]) == ("done", "worker-complete", 0)
+    assert doc["holder_pid"] > 0 and doc["pgid"] == doc["holder_pid"]
+    assert doc["ended_unix"] >= doc["started_unix"]
+    stored = Leases(r, Keys(namespace)).get(doc["lease_id"])
+    assert stored is not None and stored.status == "done"
+
+
+def test_child_env_and_stdin(env: dict[str, str], namespace: str, tmp_path: Path) -> None:
+    script = (
+        "import json, os, sys; "
+        "keys = ['OVERNIGHT_LEASE_ID', 'OVERNIGHT_LEASE_TOKEN', 'OVERNIGHT_REDIS_URL', "
+        "'OVERNIGHT_NAMESPACE']; "
+        "print(json.dumps({k: os.environ.get(k) for k in keys})); "
+        "print(os.readlink('/proc/self/fd/0')); print(repr(sys.stdin.read()))"
+    )
+    code, doc, out = supervise(["--", PY, "-c", script], env)
+    assert code == 0
+    seen = json.loads(out.splitlines()[0])
+    assert seen["OVERNIGHT_LEASE_ID"] == doc["lease_id"]
+    assert seen["OVERNIGHT_LEASE_TOKEN"] == str(doc["token"])
+    assert seen["OVERNIGHT_REDIS_URL"] == env["OVERNIGHT_REDIS_URL"]
+    assert seen["OVERNIGHT_NAMESPACE"] == namespace
+    assert out.splitlines()[1] == "/dev/null"
+    assert out.splitlines()[2] == "''"
+
+
+def test_child_exit_is_noticed_at_once(env: dict[str, str]) -> None:
+    t = time.monotonic()
+    code, _doc, _ = supervise(["--gap", "30", "--", "true"], env)
+    assert code == 0
+    assert time.monotonic() - t < 1.5  # typically ~0.25 s; never a poll interval or a gap
+
+
+def test_hang_without_output_dies_by_gap(env: dict[str, str], tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    t = time.monotonic()
+    code, doc, _ = supervise(["--gap", "1", "--grace", "1", "--", "sh", "-c",
+                              f"echo $$ > {pids}; exec sleep 120"], env)  # fmt: skip
+    took = time.monotonic() - t
+    assert code == 3
+    assert doc["status"] == "killed" and doc["note"].startswith("heartbeat-gap-")
+    assert 1.0 <= float(doc["note"].removeprefix("heartbeat-gap-").rstrip("s")) < 2.0
+    assert doc["exit_code"] == 3
+    assert 1.0 <= took < 5
+    assert_all_gone(read_pids(pids, 1))
+
+
+def test_output_beats_keep_a_chatty_child_until_the_deadline(
+    env: dict[str, str], r: redis.Redis, namespace: str
+) -> None:
+    chatty = "while true; do echo tick; sleep 0.1; done"
+    t = time.monotonic()
+    code, doc, out = supervise(["--gap", "1", "--deadline", "2.5", "--", "sh", "-c", chatty], env)
+    assert code == 2
+    assert time.monotonic() - t >= 2.4
+    assert (doc["status"], doc["note"]) == ("expired", "budget-exceeded")
+    assert out.count("tick") > 10
+    rows = r.xrange(Keys(namespace).receipts)
+    kinds = [f["kind"] for _id, f in rows if doc["lease_id"] in f["data"]]
+    assert kinds == ["lease_acquired", "subprocess_lease_expired"]
+
+
+def test_no_output_beats_lets_a_chatty_child_die_by_gap(env: dict[str, str]) -> None:
+    chatty = "while true; do echo tick; sleep 0.1; done"
+    code, doc, _ = supervise(["--gap", "1", "--deadline", "20", "--no-output-beats", "--",
+                              "sh", "-c", chatty], env)  # fmt: skip
+    assert code == 3 and doc["note"].startswith("heartbeat-gap-")
+
+
+def test_beat_while_alive_keeps_sleep_alive(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--gap", "1", "--beat-while-alive", "--", "sleep", "2.5"], env)
+    assert code == 0 and doc["status"] == "done"
+    assert doc["heartbeat_unix"] - doc["started_unix"] > 1.5
+
+
+def test_beat_while_alive_is_still_bounded_by_the_deadline(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--gap", "1", "--deadline", "2", "--beat-while-alive", "--",
+                              "sleep", "60"], env)  # fmt: skip
+    assert code == 2 and doc["status"] == "expired"
+
+
+def test_overnight_beat_keeps_a_silent_child_alive(env: dict[str, str]) -> None:
+    loop = f"for i in 1 2 3 4 5 6; do {OVERNIGHT} beat --note step-$i || exit 9; sleep 0.3; done"
+    code, doc, out = supervise(["--gap", "1.5", "--no-output-beats", "--", "sh", "-c", loop], env)
+    assert code == 0, out
+    assert doc["status"] == "done" and doc["heartbeat_unix"] - doc["started_unix"] > 1.5
+
+
+def test_pulse_keeps_a_silent_child_alive(env: dict[str, str]) -> None:
+    script = (
+        "import time\nfrom worker.pulse import pulse\n"
+        "with pulse() as p:\n    time.sleep(2.5)\n"
+        "assert p.beats >= 3 and p.refused is None, p.beats\n"
+    )
+    code, doc, out = supervise(["--gap", "1", "--no-output-beats", "--", PY, "-c", script], env)
+    assert code == 0, out
+    assert doc["status"] == "done"
+
+
+def test_nonzero_exit_is_propagated(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--", "sh", "-c", "exit 7"], env)
+    assert code == 7
+    assert (doc["status"], doc["note"], doc["exit_code"]) == ("killed", "worker-exit-7", 7)
+
+
+def test_child_killed_by_a_signal(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--", "sh", "-c", "kill -USR1 $$"], env)
+    assert code == 128 + signal.SIGUSR1
+    assert (doc["status"], doc["note"]) == ("killed", f"worker-signal-{int(signal.SIGUSR1)}")
+
+
+def test_missing_command_exits_127(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--", "/nonexistent/cmd"], env)
+    assert code == 127 and doc["note"] == "worker-exit-127"
+
+
+def test_sigterm_to_the_supervisor_is_forwarded(env: dict[str, str], tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    got = str(tmp_path / "got")
+    script = (
+        f"import os, signal, sys, time\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({got!r}, 'w'), sys.exit(0)))\n"
+        "time.sleep(60)\n"
+    )
+    proc = start(["--gap", "10", "--", PY, "-c", script], env)
+    child = read_pids(pids, 1)[0]
+    assert pid_alive(child)
+    proc.send_signal(signal.SIGTERM)
+    out, _err = proc.communicate(timeout=20)
+    assert proc.returncode == 143
+    doc = final_doc(out)
+    assert (doc["status"], doc["note"]) == ("killed", "supervisor-signal-15")
+    assert (tmp_path / "got").exists()  # the child got the very signal
+    assert_all_gone([child])
+
+
+def test_sigint_is_forwarded_too(env: dict[str, str], tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    proc = start(["--gap", "10", "--", "sh", "-c", f"echo $$ > {pids}; exec sleep 60"], env)
+    child = read_pids(pids, 1)[0]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and final_doc(out)["note"] == "supervisor-signal-2"
+    assert_all_gone([child])
+
+
+def _catches_sigterm(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = int(status.split("SigCgt:")[1].split()[0], 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def test_early_sigterm_is_still_forwarded(env: dict[str, str], tmp_path: Path) -> None:
+    """SIGTERM the moment the handler is in place, long before start-up has finished."""
+    pids = tmp_path / "pids"
+    proc = start(["--gap", "10", "--", "sh", "-c", f"echo $$ > {pids}; exec sleep 60"], env)
+    wait_for(lambda: _catches_sigterm(proc.pid), timeout=10, interval=0.001)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, err
+    doc = final_doc(out)
+    assert (doc["status"], doc["note"]) == ("killed", "supervisor-signal-15")
+    if pids.exists():  # the child may or may not have been started; if it was, it is gone
+        assert_all_gone(read_pids(pids, 1))
+
+
+def test_lease_file_mirrors_the_document(env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "lease.json"
+    proc = start(["--gap", "1", "--beat-while-alive", "--lease-file", str(path), "--",
+                  "sleep", "1.5"], env)  # fmt: skip
+
+    def running() -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return doc if doc["holder_pid"] > 0 else None
+
+    seen = wait_for(running, timeout=10)
+    assert seen["status"] == "running"
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    final = json.loads(path.read_text())
+    assert final == final_doc(out) and final["status"] == "done"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_existing_lease_id_is_refused(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--lease-id", "fixed-1", "--", "true"], env)
+    assert code == 0 and doc["lease_id"] == "fixed-1"
+    proc = subprocess.run([OVERNIGHT, "supervise", "--lease-id", "fixed-1", "--", "true"],
+                          env=env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+    assert "exists" in proc.stderr
+
+
+# --- Redis going away -------------------------------------------------------------------
+
+
+def test_redis_killed_mid_run_fails_closed(
+    env: dict[str, str], redis_factory: Any, tmp_path: Path
+) -> None:
+    server = redis_factory()
+    env = {**env, "OVERNIGHT_REDIS_URL": server.url}
+    pids = tmp_path / "pids"
+    chatty = (
+        f"echo $$ > {pids}; sleep 120 & echo $! >> {pids}; while true; do echo x; sleep 0.1; done"
+    )
+    proc = start(["--gap", "1", "--grace", "0.5", "--", "sh", "-c", chatty], env)
+    tree = read_pids(pids, 2)
+    assert all(pid_alive(p) for p in tree)
+    time.sleep(0.3)  # a few beats first
+    server.stop(kill=True)
+    gone = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+    took = time.monotonic() - gone
+    assert proc.returncode == 4, err
+    assert 0.9 <= took < 6
+    doc = final_doc(out)
+    assert (doc["status"], doc["note"]) == ("killed", "lease-lost")
+    assert_all_gone(tree, timeout=1)
+
+
+def test_redis_blink_shorter_than_the_gap_costs_nothing(
+    env: dict[str, str], redis_factory: Any, tmp_path: Path
+) -> None:
+    server = redis_factory(appendonly=True)
+    env = {**env, "OVERNIGHT_REDIS_URL": server.url}
+    marker = tmp_path / "started"
+    chatty = f"touch {marker}; i=0; while [ $i -lt 30 ]; do echo x; sleep 0.1; i=$((i+1)); done"
+    proc = start(["--gap", "2", "--", "sh", "-c", chatty], env)
+    wait_for(marker.exists, timeout=10)
+    time.sleep(0.5)
+    server.stop()
+    server.start()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert final_doc(out)["status"] == "done"
+
+
+def test_redis_unreachable_at_start_exits_69(env: dict[str, str]) -> None:
+    from coordinator.embedded_redis import free_port
+
+    env = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    proc = subprocess.run([OVERNIGHT, "supervise", "--", "true"], env=env,
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 69
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+# --- CLI hygiene --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--gap", "0", "--", "true"],
+        ["--gap", "abc", "--", "true"],
+        ["--deadline", "-1", "--", "true"],
+        ["--grace", "nan", "--", "true"],
+        ["--lease-id", "a:b*", "--", "true"],
+        ["--bogus", "--", "true"],
+    ],
+)
+def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
+    proc = subprocess.run([OVERNIGHT, "supervise", *args], env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 64, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_bad_configuration_exits_78(env: dict[str, str]) -> None:
+    for var, value in [("OVERNIGHT_HEARTBEAT_GAP", "-3"), ("OVERNIGHT_REDIS_URL", "http://x"),
+                       ("OVERNIGHT_MODEL_URL", "ftp://x")]:  # fmt: skip
+        for cmd in (["supervise", "--", "true"], ["beat"]):
+            extra = {"OVERNIGHT_LEASE_ID": "x", "OVERNIGHT_LEASE_TOKEN": "1"}
+            proc = subprocess.run([OVERNIGHT, *cmd], env={**env, **extra, var: value},
+                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            assert proc.returncode == 78, (var, cmd, proc.stderr)
+            assert var.removeprefix("OVERNIGHT_") in proc.stderr or var in proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_explains(env: dict[str, str]) -> None:
+    for cmd in (["supervise"], ["beat"], ["lease"], ["lease", "show"], ["lease", "list"]):
+        proc = subprocess.run([OVERNIGHT, *cmd, "--help"], env=env, capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+        assert proc.returncode == 0 and "Usage:" in proc.stdout
+    text = subprocess.run([OVERNIGHT, "supervise", "--help"], env=env, capture_output=True,
+                          text=True, timeout=30).stdout  # fmt: skip
+    for option in ("--deadline", "--gap", "--grace", "--lease-id", "--lease-file", "--quiet",
+                   "--no-output-beats", "--beat-while-alive"):  # fmt: skip
+        assert option in text
+
+
+def test_quiet_prints_only_the_child_output(env: dict[str, str]) -> None:
+    proc = subprocess.run([OVERNIGHT, "supervise", "--quiet", "--", "echo", "only"], env=env,
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "only\n"
+
+
+def test_stdout_and_stderr_stay_apart(env: dict[str, str]) -> None:
+    proc = subprocess.run([OVERNIGHT, "supervise", "--quiet", "--", "sh", "-c",
+                           "echo out; echo err >&2"], env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert proc.stdout == "out\n" and proc.stderr == "err\n"
+
+
+def test_supervisor_pid_is_not_the_child(env: dict[str, str]) -> None:
+    code, doc, _ = supervise(["--", "true"], env)
+    assert code == 0 and doc["supervisor_pid"] not in (0, doc["holder_pid"], os.getpid())
