@@ -336,6 +336,50 @@ def test_running_reaper_ends_an_orphan_within_gap_plus_interval(
     assert f"lease={doc.lease_id}" in err and "reaped" in err
 
 
+def test_sigkilled_supervisor_leaves_nothing_behind(
+    env: dict[str, str], keys: Keys, leases: Leases, tmp_path: Path
+) -> None:
+    gap, interval = 1.0, 0.5
+    pids = tmp_path / "pids"
+    lease_id = "reaper-supervise-1"
+    # The child ignores SIGPIPE, so it keeps printing after its supervisor's pipe is gone:
+    # it would never die of anything but the reaper.
+    script = (
+        f"trap '' PIPE; setsid sleep 300 & echo $! > {pids}.tmp; echo $$ >> {pids}.tmp; "
+        f"mv {pids}.tmp {pids}; while :; do echo tick; sleep 0.1; done"
+    )
+    reaper = start_reaper(env)
+    supervisor = subprocess.Popen(
+        [OVERNIGHT, "supervise", "--quiet", "--gap", str(gap), "--grace", "1",
+         "--lease-id", lease_id, "--", "sh", "-c", script],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        grandchild, child = read_pids(pids)
+        assert os.getsid(grandchild) != os.getsid(child)
+        assert lease_tag(grandchild) == lease_id
+        time.sleep(0.5)  # several beats land
+        assert leases.is_alive(lease_id) and pid_alive(child)
+        supervisor.send_signal(signal.SIGKILL)
+        supervisor.wait(5)
+        killed = time.monotonic()
+        limit = gap + interval + 1.0
+        wait_for(lambda: not pid_alive(child) and not pid_alive(grandchild), timeout=limit + 2)
+        assert time.monotonic() - killed <= limit
+        assert tagged(lease_id) == []
+        ended = wait_for(lambda: terminal(leases, lease_id), timeout=5)
+        assert ended is not None and ended.status == "killed"
+        assert ended.note.startswith("reaped: heartbeat-gap-")
+        assert endings(leases.client, keys, lease_id) == [RECEIPT_KIND]
+    finally:
+        supervisor.kill()
+        supervisor.wait(5)
+        for pid in tagged(lease_id):
+            kill_quietly(pid)
+        code, err = stop_reaper(reaper)
+    assert code == 0, err
+
+
 def test_reaper_survives_a_redis_outage(
     redis_factory: Callable[..., object], tmp_path: Path, env: dict[str, str], namespace: str
 ) -> None:
