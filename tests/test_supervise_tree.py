@@ -104,8 +104,8 @@ def _run_and_kill(
 
 def test_background_sleep_dies_with_the_lease(env: dict[str, str], tmp_path: Path) -> None:
     pids = tmp_path / "pids"
-    code, doc, _ = supervise(["--gap", "1", "--", "sh", "-c",
-                              f"echo $$ > {pids}; sleep 120 & echo $! >> {pids}; wait"], env)  # fmt: skip
+    script = f"echo $$ > {pids}; sleep 120 & echo $! >> {pids}; wait"
+    code, _doc, _ = supervise(["--gap", "1", "--", "sh", "-c", script], env)
     assert code == 3
     found = read_pids(pids, 2)
     assert_all_gone(found, timeout=1)
@@ -138,7 +138,7 @@ def test_sigterm_deaf_tree_gets_sigkill_after_the_grace(
 def test_processes_started_during_the_grace_die_too(
     env: dict[str, str], escapes: Path, tmp_path: Path
 ) -> None:
-    code, _doc, found = _run_and_kill(env, escapes, tmp_path, "respawn", 1)
+    code, _doc, _ = _run_and_kill(env, escapes, tmp_path, "respawn", 1)
     assert code == 3
     more = (tmp_path / "pids").read_text().split()
     assert len(more) >= 2  # the child answered SIGTERM with a new session
