@@ -11,6 +11,7 @@ checkpoint, or pauses it when the step in flight had an unknown outcome.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -33,11 +34,17 @@ from config.keys import Keys
 from coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop, lost_step_decision
 from coordinator.steps import StepRunner, supervised_runner
 from coordinator.taskstore import Runner, TaskRecord, TaskStore
+from worker import envelope as _envelope
+from worker import supervisor as _supervisor
 
 if TYPE_CHECKING:
     from config.settings import Settings
 
 log = logging.getLogger("overnight.dispatch")
+
+# redis-py reads package metadata for every new connection (about 1.5 ms); a work horse
+# opens several per task, and the installed version cannot change under a running worker.
+redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 
 # RQ's own job timeout is the task's deadline plus this, so the task's deadline fires first.
 JOB_MARGIN = 120
@@ -92,8 +99,22 @@ def enqueue(rq_conn: redis.Redis, records: Sequence[TaskRecord], namespace: str)
     return ids
 
 
+def model_env(settings: Settings) -> dict[str, str]:
+    """The model settings the built-in model step needs, passed to it alone."""
+    env = {
+        "OVERNIGHT_MODEL_NAME": settings.model_name,
+        "OVERNIGHT_MODEL_TIMEOUT": repr(settings.model_timeout),
+    }
+    if settings.model_url:
+        env["OVERNIGHT_MODEL_URL"] = settings.model_url
+    if settings.model_api_key:
+        env["OVERNIGHT_MODEL_API_KEY"] = settings.model_api_key.get_secret_value()
+    return env
+
+
 def loop_config(settings: Settings, namespace: str) -> LoopConfig:
     return LoopConfig(
+        model_env=model_env(settings),
         default_deadline=settings.deadline,
         default_gap=settings.heartbeat_gap,
         grace=settings.grace,
@@ -128,6 +149,8 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
 
     job = get_current_job()
     settings = current_settings()
+    # Command agents and verifiers inherit this process's environment: not the model key.
+    os.environ.pop("OVERNIGHT_MODEL_API_KEY", None)
     if job is not None:
         client = text_client(job.connection)
     else:

@@ -72,11 +72,18 @@ def model_env(env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, str]]:
     yield {**env, "OVERNIGHT_PROMPT_FILE": str(prompt), "OVERNIGHT_TURN": "2"}
 
 
-def run_step(env: dict[str, str], cwd: Path, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+def run_step(
+    env: dict[str, str], cwd: Path, timeout: float = 20
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "coordinator.model_step"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_stub_writes_the_answer_without_network(model_env: dict[str, str], tmp_path: Path) -> None:
@@ -108,14 +115,20 @@ def test_server_error_fails_the_step_without_leaking_the_key(
     model_env: dict[str, str], tmp_path: Path
 ) -> None:
     with Model("500") as model:
-        env = {**model_env, "OVERNIGHT_MODEL_URL": model.url + "/v1", "OVERNIGHT_MODEL_API_KEY": SECRET}
+        env = {
+            **model_env,
+            "OVERNIGHT_MODEL_URL": model.url + "/v1",
+            "OVERNIGHT_MODEL_API_KEY": SECRET,
+        }
         proc = run_step(env, tmp_path)
     assert proc.returncode == 1
     assert "HTTP 500" in proc.stderr and SECRET not in proc.stdout + proc.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_hanging_server_is_bounded_by_the_timeout(model_env: dict[str, str], tmp_path: Path) -> None:
+def test_hanging_server_is_bounded_by_the_timeout(
+    model_env: dict[str, str], tmp_path: Path
+) -> None:
     with Model("hang") as model:
         env = {**model_env, "OVERNIGHT_MODEL_URL": model.url, "OVERNIGHT_MODEL_TIMEOUT": "0.5"}
         proc = run_step(env, tmp_path, timeout=10)

@@ -72,7 +72,14 @@ def test_success_on_turn_one(r: redis.Redis, namespace: str, tmp_path: Path) -> 
     assert rec.checkpoint.last_verdict is not None and rec.checkpoint.last_verdict.ok
     assert not store.claim_alive(rec.id)
     kinds = [rc.kind for rc in receipts.read(r, Keys(namespace), task_id=rec.id)]
-    assert kinds == ["task_submitted", "task_state", "step_finished", "step_finished", "verdict", "task_state"]
+    assert kinds == [
+        "task_submitted",
+        "task_state",
+        "step_finished",
+        "step_finished",
+        "verdict",
+        "task_state",
+    ]
 
 
 def test_reprompted_with_the_unmet_rule(r: redis.Redis, namespace: str, tmp_path: Path) -> None:

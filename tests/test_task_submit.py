@@ -86,8 +86,12 @@ def test_rq_info_lists_the_queue_and_jobs(env: dict[str, str], tmp_path: Path) -
     rq = str(Path(OVERNIGHT).with_name("rq"))
     proc = subprocess.run(
         [rq, "info", "--url", env["OVERNIGHT_REDIS_URL"], queue],
-        env=env, capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert queue in proc.stdout and "1" in proc.stdout
 

@@ -33,6 +33,8 @@ KINDS = (
     "task_state",
     "verdict",
     "step_finished",
+    "call_refused",
+    "task_stuck",
 )
 
 

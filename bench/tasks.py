@@ -1,0 +1,131 @@
+"""Benchmark: overnight tasks against plain RQ jobs doing the same two subprocesses.
+
+``python -m bench.tasks [--tasks 200] [--workers 2]`` starts a private redis-server, then
+in the same run (a) enqueues N plain RQ jobs that each run ``true`` twice and drains them
+with W stock ``rq worker --burst`` processes, and (b) submits N overnight tasks whose
+agent and single rule are ``true`` and drains them with W ``overnight worker --burst``
+processes (every step under a lease, envelope-charged, checkpointed, with receipts).
+It prints both rates and the ratio (overhead factor; target <= 1.5).
+It alternates the two for ``--rounds`` and reports the best run of each, since the
+machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def plain_job() -> int:
+    """The plain-RQ baseline: the same two subprocesses a task runs (agent, then rule)."""
+    subprocess.run(["true"], stdin=subprocess.DEVNULL, check=True)
+    subprocess.run(["true"], stdin=subprocess.DEVNULL, check=True)
+    return 0
+
+
+def _drain(argv: list[str], workers: int, env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for _ in range(workers)
+    ]
+    for proc in procs:
+        _out, err = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"worker failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return time.perf_counter() - start
+
+
+def run_plain(url: str, n: int, workers: int, env: dict[str, str]) -> float:
+    import redis
+    from rq import Queue
+
+    conn = redis.Redis.from_url(url)
+    queue = Queue(f"bench-plain-{uuid.uuid4().hex[:6]}", connection=conn)
+    datas = [Queue.prepare_data("bench.tasks.plain_job", result_ttl=600) for _ in range(n)]
+    with conn.pipeline() as pipe:
+        queue.enqueue_many(datas, pipeline=pipe)
+        pipe.execute()
+    argv = [str(BIN / "rq"), "worker", "--burst", "--url", url, queue.name]
+    elapsed = _drain(argv, workers, env)
+    if queue.finished_job_registry.count != n:
+        raise SystemExit(f"plain RQ finished {queue.finished_job_registry.count} of {n} jobs")
+    return elapsed
+
+
+def run_overnight(url: str, n: int, workers: int, env: dict[str, str], workdir: Path) -> float:
+    import redis
+
+    from config.keys import Keys
+    from coordinator.dispatch import enqueue
+    from coordinator.taskfile import Rule, TaskSpec
+    from coordinator.taskstore import TaskStore
+    from worker.envelope import CallEnvelope
+
+    namespace = env["OVERNIGHT_NAMESPACE"]
+    client = redis.Redis.from_url(url, decode_responses=True)
+    CallEnvelope(client, "default", namespace).reset(4 * n)
+    spec = TaskSpec(
+        assignment="benchmark",
+        workdir=str(workdir),
+        agent=["true"],
+        max_calls=4,
+        verifier=[Rule(name="true", run=["true"])],
+    )
+    store = TaskStore(client, Keys(namespace))
+    records = store.create([spec] * n, env["OVERNIGHT_QUEUE"])
+    enqueue(redis.Redis.from_url(url), records, namespace)
+    elapsed = _drain([str(BIN / "overnight"), "worker", "--burst"], workers, env)
+    states = [rec.state for rec in store.all()]
+    if states.count("finished_verified") != n:
+        raise SystemExit(f"overnight verified {states.count('finished_verified')} of {n} tasks")
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternate runs; best of each")
+    args = parser.parse_args(argv)
+
+    from coordinator.embedded_redis import EmbeddedRedis
+
+    with (
+        tempfile.TemporaryDirectory(prefix="overnight-bench-") as tmp,
+        EmbeddedRedis(Path(tmp) / "redis") as server,
+    ):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+        env.update(
+            OVERNIGHT_REDIS_URL=server.url,
+            OVERNIGHT_NAMESPACE=f"bench-{uuid.uuid4().hex[:6]}",
+            OVERNIGHT_QUEUE=f"bench-tasks-{uuid.uuid4().hex[:6]}",
+            PYTHONPATH=str(ROOT),
+        )
+        plains, ourses = [], []
+        for i in range(args.rounds):
+            plains.append(run_plain(server.url, args.tasks, args.workers, env))
+            ours_env = {**env, "OVERNIGHT_NAMESPACE": f"{env['OVERNIGHT_NAMESPACE']}-{i}"}
+            ourses.append(run_overnight(server.url, args.tasks, args.workers, ours_env, Path(tmp)))
+    plain, ours, n = min(plains), min(ourses), args.tasks
+    print(
+        f"tasks={n} workers={args.workers} rounds={args.rounds} (best of each; "
+        "each task: agent `true` + one rule `true`)"
+    )
+    print(f"plain RQ jobs   : {n / plain:8.1f} tasks/s  ({plain:.2f}s)")
+    print(f"overnight tasks : {n / ours:8.1f} tasks/s  ({ours:.2f}s)")
+    print(f"overhead ratio  : {ours / plain:8.2f}x  (target <= 1.50x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
