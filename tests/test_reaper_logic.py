@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 
 import fakeredis
@@ -210,3 +211,39 @@ def test_tag_reader_finds_only_the_exact_variable() -> None:
 def _comm(pid: int) -> str:
     with open(f"/proc/{pid}/comm") as fh:
         return fh.read().strip()
+
+
+def test_run_keeps_going_after_a_failed_pass(
+    monkeypatch: pytest.MonkeyPatch, fake: fakeredis.FakeRedis
+) -> None:
+    import redis
+
+    from worker import reaper
+
+    stop = threading.Event()
+    calls: list[int] = []
+
+    def flaky(*_a: object, **_k: object) -> reaper.PassReport:
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis.ConnectionError("down")
+        if len(calls) == 2:
+            raise RuntimeError("a bug")
+        stop.set()
+        return reaper.PassReport(host=HOST)
+
+    monkeypatch.setattr(reaper, "reap_once", flaky)
+    reaper.run(fake, Keys("unit"), interval=0.01, grace=0.1, host_ttl=1.0, stop=stop)
+    assert len(calls) == 3
+    with pytest.raises(RuntimeError):
+        calls.clear()
+        calls.append(1)
+        reaper.run(
+            fake,
+            Keys("unit"),
+            interval=0.01,
+            grace=0.1,
+            host_ttl=1.0,
+            stop=threading.Event(),
+            once=True,
+        )

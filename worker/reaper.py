@@ -42,6 +42,7 @@ log = logging.getLogger("overnight.reaper")
 RECEIPT_KIND = "subprocess_lease_expired"
 # Lapsed leases read per round trip; a pass pages through all of them.
 PAGE = 1000
+MAX_PAGES = 1000
 # A live supervisor gets this long past its grace to end its own lapsed lease.
 SUPERVISOR_SLACK = 2.0
 
@@ -176,7 +177,9 @@ def reap_once(
     prune = register(client, "reaper_prune")
     hold = grace + SUPERVISOR_SLACK if hold_off is None else hold_off
     offset = 0
-    while stop is None or not stop.is_set():
+    for _page in range(MAX_PAGES):
+        if stop is not None and stop.is_set():
+            break
         secs, micros = client.time()
         now = int(secs) + int(micros) / 1e6
         raw = client.zrangebyscore(
@@ -205,8 +208,9 @@ def _reap_batch(
     hold_off: float,
     report: PassReport,
 ) -> int:
-    """Decide and act on one page of lapsed ids; returns how many stay in the index."""
+    """Decide and act on one page of lapsed ids; returns how many this pass left in the index."""
     report.lapsed += len(ids)
+    removed_before = report.ended + report.pruned
     pipe = client.pipeline(transaction=False)
     for lease_id in ids:
         pipe.hgetall(keys.lease(lease_id))
@@ -239,12 +243,10 @@ def _reap_batch(
         report.signalled += sum(signalled.values())
         report.survivors += survivors
 
-    left = 0
     ending: list[tuple[LeaseDoc, Decision]] = []
     for lease_id, doc, d in decisions:
         if d.action == "skip":
             report.skipped += 1
-            left += 1
         elif d.action == "prune":
             _prune(client, keys, prune, lease_id, d, report)
         elif doc is not None:
@@ -258,7 +260,7 @@ def _reap_batch(
         )
         for (doc, d), refused in zip(ending, refusals, strict=True):
             _record(doc, d, refused, signalled.get(doc.lease_id, 0), report)
-    return left
+    return len(ids) - (report.ended + report.pruned - removed_before)
 
 
 def _live_reaper_hosts(client: redis.Redis, keys: Keys, hosts: list[str]) -> set[str]:
@@ -350,8 +352,12 @@ def run(
     stop: threading.Event,
     once: bool = False,
 ) -> None:
-    """Pass every ``interval`` seconds until ``stop`` is set (or once). A Redis outage is
-    logged and retried; with ``once`` it is raised."""
+    """Pass every ``interval`` seconds until ``stop`` is set (or once).
+
+    A Redis outage is logged once and retried; any other failure of a pass is logged with
+    its traceback and the next pass runs anyway (a reaper that dies helps nobody). With
+    ``once`` every failure is raised.
+    """
     import redis as redis_mod
 
     down = False
@@ -366,6 +372,11 @@ def run(
                 log.warning("host=%s Redis unreachable (%s); retrying every %.1fs",
                             procs.hostname(), type(exc).__name__, interval)  # fmt: skip
             down = True
+        except Exception:
+            if once:
+                raise
+            log.exception("host=%s reaper pass failed; next pass in %.1fs",
+                          procs.hostname(), interval)  # fmt: skip
         else:
             if down:
                 log.info("host=%s Redis reachable again", procs.hostname())
