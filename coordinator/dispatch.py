@@ -34,8 +34,7 @@ from config.keys import Keys
 from coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop, lost_step_decision
 from coordinator.steps import StepRunner, supervised_runner
 from coordinator.taskstore import Runner, TaskRecord, TaskStore
-from worker import envelope as _envelope
-from worker import supervisor as _supervisor
+from worker.envelope import CallEnvelope, EnvelopeEmpty
 
 if TYPE_CHECKING:
     from config.settings import Settings
@@ -126,8 +125,6 @@ def loop_config(settings: Settings, namespace: str) -> LoopConfig:
 
 def envelope_consume(client: redis.Redis, namespace: str, task_id: str, ttl: int) -> Consume:
     """Charge the shared envelope named by the task; an empty one raises CallRefused."""
-    from worker.envelope import CallEnvelope, EnvelopeEmpty
-
     envelopes: dict[str, CallEnvelope] = {}
 
     def consume(name: str, kind: str, request_id: str) -> None:
@@ -291,6 +288,22 @@ class OvernightWorker(Worker):
         for line in actions:
             self.log.info("recovery: %s", line)
         return actions
+
+    def handle_work_horse_killed(self, job: Job, retpid: int, ret_val: int, rusage: Any) -> None:
+        """The horse died under a task (killed, or crashed): recover the task now."""
+        super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
+        if job.func_name != f"{__name__}.perform_task" or len(job.args) != 3:
+            return
+        namespace, task_id, attempt = job.args
+        settings = current_settings()
+        try:
+            client = text_client(self.connection)
+            keys = Keys(str(namespace))
+            if TaskStore(client, keys).drop_claim(str(task_id), int(attempt), retpid):
+                self.log.warning("task %s: work horse %s died mid-task", task_id, retpid)
+                recover(client, self.connection, keys, settings)
+        except Exception as exc:
+            self.log.warning("task %s: recovery after horse death failed: %s", task_id, exc)
 
     def main_work_horse(self, job: Job, queue: Queue) -> None:
         _die_with_parent(self.pid or os.getppid())

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from worker.supervisor import StepSpec, run_supervised
+
 if TYPE_CHECKING:
     import redis
 
@@ -31,7 +33,7 @@ class StepRequest:
     name: str
     argv: list[str]
     cwd: str
-    env: dict[str, str]
+    env: dict[str, str]  # merged over the worker's environment
     deadline: float
     gap: float
     grace: float
@@ -84,7 +86,6 @@ StepRunner = Callable[[StepRequest], StepOutcome]
 
 def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
     """Run each step under a lease, in this process (``worker.supervisor``)."""
-    from worker.supervisor import StepSpec, run_supervised
 
     def run(req: StepRequest) -> StepOutcome:
         capture = OutputCapture()
@@ -122,7 +123,7 @@ def plain_runner(req: StepRequest) -> StepOutcome:
         proc = subprocess.run(
             req.argv,
             cwd=req.cwd,
-            env=req.env,
+            env={**os.environ, **req.env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -143,12 +144,3 @@ def plain_runner(req: StepRequest) -> StepOutcome:
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     status, note = ("done", "worker-complete") if code == 0 else ("killed", f"worker-exit-{code}")
     return StepOutcome(code, status, note, None, capture.tail(), capture.digest(code))
-
-
-def child_env(extra: dict[str, str], *, keep_model_key: bool) -> dict[str, str]:
-    """This process's environment plus ``extra``; the model API key only where it is needed."""
-    env = dict(os.environ)
-    if not keep_model_key:
-        env.pop("OVERNIGHT_MODEL_API_KEY", None)
-    env.update(extra)
-    return env

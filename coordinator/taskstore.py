@@ -193,6 +193,7 @@ _SCRIPTS = (
     "orphan",
     "resume",
     "abort",
+    "drop_claim",
 )
 
 
@@ -349,6 +350,11 @@ class TaskStore:
         return int(
             self._run("uncharge", [*keys, self.keys.task_charged(task_id)], [token, request_id])
         )
+
+    def drop_claim(self, task_id: str, attempt: int, runner_pid: int) -> bool:
+        """Drop the claim held by a work horse known to be dead (``runner_pid``)."""
+        keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
+        return bool(self._run("drop_claim", keys, [attempt, runner_pid]))
 
     def orphan(
         self, rec: TaskRecord, state: str, checkpoint: Checkpoint, detail: str, attempt: int

@@ -367,3 +367,39 @@ def test_model_step_stub_without_url(tenv: dict[str, str], tmp_path: Path) -> No
     record = json.loads((tmp_path / "stub" / "out" / "turn-001.json").read_text())
     assert record["source"] == "stub" and "Create ok.txt" in record["answer"]
     assert os.environ.get("OVERNIGHT_MODEL_URL") is None
+
+
+def test_horse_killed_alone_is_recovered_at_once(
+    tenv: dict[str, str], tmp_path: Path, workers: list[subprocess.Popen[bytes]]
+) -> None:
+    """The worker survives its horse: it drops the dead horse's claim and retries now,
+    long before the claim (30 s here) would have lapsed."""
+    tenv = {**tenv, "OVERNIGHT_TASK_CLAIM_TTL": "30"}
+    reset_envelope(tenv, 20)
+    slow_once = (
+        "import os, pathlib, time\n"
+        "if not pathlib.Path('started').exists():\n"
+        "    pathlib.Path('started').write_text(str(os.getpid()))\n"
+        "    while True: print('working', flush=True); time.sleep(0.2)\n"
+        "pathlib.Path('ok.txt').touch()\n"
+    )
+    path = task_file(
+        tmp_path, "horse", [PY, "-c", slow_once], [["test", "-f", "ok.txt"]], on_unknown="retry"
+    )
+    submit(tenv, path)
+    worker = subprocess.Popen(
+        [OVERNIGHT, "worker"], env=tenv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    workers.append(worker)
+    marker = tmp_path / "horse" / "started"
+    wait_for(lambda: marker.exists() and marker.read_text(), timeout=20)
+    step_pid = int(marker.read_text())
+    try:
+        horse = status(tenv, "horse")["runner"]["pid"]
+        os.kill(horse, signal.SIGKILL)
+        wait_for(lambda: status(tenv, "horse")["state"] == "finished_verified", timeout=15)
+        st = status(tenv, "horse")
+        assert (st["attempt"], st["lost_leases"], st["calls_used"]) == (2, 1, 2)
+        assert worker.poll() is None
+    finally:
+        kill_quietly(step_pid)
