@@ -56,7 +56,7 @@ class EmbeddedRedis:
         appendonly: bool = False,
         extra_args: list[str] | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.appendonly = appendonly
         self.extra_args = list(extra_args or [])

@@ -3,9 +3,13 @@
 import time
 from pathlib import Path
 
+counter = Path(".agent-turns")
+turn = int(counter.read_text()) + 1 if counter.exists() else 1
+counter.write_text(str(turn))
+
 for step in range(4):
-    print(f"thinking ({step + 1}/4)...", flush=True)
+    print(f"attempt {turn}: thinking ({step + 1}/4)...", flush=True)
     time.sleep(0.5)
 with Path("proof.txt").open("a") as fh:
-    fh.write("an attempt, not yet convincing\n")
-print("another attempt written")
+    fh.write(f"attempt {turn}, not yet convincing\n")
+print(f"attempt {turn} written")

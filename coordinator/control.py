@@ -1,0 +1,174 @@
+"""The coordinator's work, as plain functions: seed the envelope, submit task folders, and
+the maintenance pass (leases of dead hosts, tasks whose worker died or deadline passed).
+
+``overnight coordinator`` (what compose runs) and ``overnight up`` both call these.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from config.keys import Keys
+
+if TYPE_CHECKING:
+    import redis
+
+    from config.settings import Settings
+    from coordinator.taskstore import TaskRecord
+
+log = logging.getLogger("overnight.coordinator")
+TASK_SUFFIXES = (".toml", ".json")
+
+
+def ensure_envelope(client: redis.Redis, keys: Keys, budget: int, name: str = "default") -> bool:
+    """Create envelope ``name`` with ``budget`` calls unless it exists; True if created.
+
+    An existing envelope is never refilled: a restarted coordinator must not hand the
+    night a second budget.
+    """
+    from worker.envelope import CallEnvelope
+
+    # The marker makes creation happen once even with two coordinators starting together.
+    marker = keys.envelope(name) + ":created"
+    if client.exists(keys.envelope(name)) or not client.set(marker, "1", nx=True):
+        return False
+    CallEnvelope(client, name, keys.namespace).reset(budget)
+    log.info("namespace=%s envelope %s created with %d calls", keys.namespace, name, budget)
+    return True
+
+
+def task_files(folder: Path) -> list[Path]:
+    """Task files under ``folder`` (``*.toml``/``*.json``, any depth), in name order."""
+    if folder.is_file():
+        return [folder]
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix.lower() in TASK_SUFFIXES and p.is_file() and not _hidden(p, folder)
+    )
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+@dataclass
+class Submitted:
+    """What a submit pass did."""
+
+    records: list[TaskRecord] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def submit_folders(
+    client: redis.Redis, rq_conn: redis.Redis, settings: Settings, folders: list[Path]
+) -> Submitted:
+    """Validate every task file under ``folders``; enqueue those whose id is new.
+
+    All-or-nothing like ``overnight submit``: one invalid file and nothing is enqueued
+    (``problems`` says why). Tasks whose id the namespace already knows, in any state, are
+    skipped, so a restarted coordinator does not run finished tasks again.
+    """
+    from coordinator.dispatch import enqueue
+    from coordinator.taskfile import TaskFileError, load_all
+    from coordinator.taskstore import TaskStore
+
+    files = [f for folder in folders for f in task_files(folder)]
+    out = Submitted()
+    try:
+        specs = load_all(files)
+    except TaskFileError as exc:
+        out.problems = exc.problems
+        return out
+    store = TaskStore(client, Keys(settings.namespace))
+    fresh = []
+    for spec in specs:
+        if spec.id is not None and store.get(spec.id) is not None:
+            out.known.append(spec.id)
+        else:
+            fresh.append(spec)
+    if fresh:
+        out.records = store.create(fresh, settings.queue)
+        enqueue(rq_conn, out.records, settings.namespace)
+    return out
+
+
+def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> list[str]:
+    """One maintenance pass; returns one line per action.
+
+    Ends leases of hosts whose reaper is gone (``reaped: host-lost``) and recovers tasks
+    whose worker died or whose own deadline passed.
+    """
+    from coordinator.dispatch import recover
+    from worker.reaper import reap_once
+
+    keys = Keys(settings.namespace)
+    report = reap_once(client, keys, grace=settings.grace, host_ttl=None)
+    lines = [f"lease {a.lease_id}: {a.outcome}: {a.why}" for a in report.actions]
+    lines += recover(client, rq_conn, keys, settings)
+    return lines
+
+
+def run_coordinator(
+    folders: list[Path], interval: float, *, exit_when_done: bool = False, once: bool = False
+) -> int:
+    """The ``overnight coordinator`` process; returns its exit code."""
+    import signal
+    import sys
+    import threading
+
+    import redis as redis_mod
+
+    from config.connection import connect
+    from config.context import settings as current
+    from coordinator.taskstore import PAUSED, TERMINAL, TaskStore
+
+    settings = current()
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    client = connect(settings)
+    rq_conn = connect(settings, decode_responses=False)
+    client.ping()
+    keys = Keys(settings.namespace)
+    if settings.budget is not None:
+        ensure_envelope(client, keys, settings.budget)
+    submitted = submit_folders(client, rq_conn, settings, folders)
+    if submitted.problems:
+        for line in submitted.problems:
+            print(line, file=sys.stderr)
+        print("overnight: invalid task files; nothing was enqueued", file=sys.stderr)
+        return 64
+    for rec in submitted.records:
+        log.info("namespace=%s task %s enqueued on %s", keys.namespace, rec.id, rec.queue)
+    for task_id in submitted.known:
+        log.info("namespace=%s task %s already known; not enqueued again", keys.namespace, task_id)
+    store = TaskStore(client, keys)
+    down = False
+    while not stop.is_set():
+        try:
+            for line in maintain(client, rq_conn, settings):
+                log.info("namespace=%s %s", keys.namespace, line)
+            if exit_when_done:
+                states = [rec.state for rec in store.all()]
+                if all(s in TERMINAL or s == PAUSED for s in states):
+                    log.info("namespace=%s every task has ended or paused", keys.namespace)
+                    return 0
+            down = False
+        except (redis_mod.ConnectionError, redis_mod.TimeoutError) as exc:
+            if once:
+                raise
+            if not down:
+                log.warning("Redis unreachable (%s); retrying", type(exc).__name__)
+            down = True
+        if once:
+            return 0
+        stop.wait(interval)
+    return 0

@@ -1,0 +1,308 @@
+"""``overnight up``: Redis (embedded if none answers), a reaper, N workers and the coordinator
+loop on one machine, with live progress; Ctrl-C stops everything it started."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from config.keys import Keys
+from coordinator.progress import PlainProgress, TaskRow, table
+from coordinator.stack import Stack, overnight_argv
+
+if TYPE_CHECKING:
+    import redis
+
+    from config.settings import Settings
+    from coordinator.taskstore import TaskRecord
+
+log = logging.getLogger("overnight.up")
+INSTANCE_TTL_MS = 15_000
+REFRESH_SEC = 0.5
+MAINTAIN_SEC = 2.0
+
+
+@dataclass
+class UpOptions:
+    """What ``overnight up`` was asked to do."""
+
+    workers: int = 2
+    tasks: list[Path] = field(default_factory=list)
+    budget: int | None = None
+    exit_when_done: bool = False
+    state_dir: Path = Path(".overnight")
+    embedded: bool = False  # always start a private Redis (the demo)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for everything
+
+
+class StopRequested:
+    """SIGINT/SIGTERM set the event; a second signal gives up on a gentle stop."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+        self.event.set()
+
+
+def _lock_state_dir(state_dir: Path) -> TextIO:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(state_dir / "up.lock", "a+")  # noqa: SIM115 - held for the life of `up`
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise CommandError(
+            f"another overnight up uses {state_dir}/; stop it first or run from another folder",
+            EXIT_REFUSED,
+        ) from None
+    return fh
+
+
+def _reachable(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(
+            redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5).ping()
+        )
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+    except redis.RedisError:
+        return True  # it answered (e.g. NOAUTH): not ours to replace
+
+
+def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> None:
+    key = keys.instance("up")
+    if client.set(key, me, nx=True, px=INSTANCE_TTL_MS):
+        return
+    holder = client.get(key)
+    holder = holder.decode() if isinstance(holder, bytes) else holder
+    raise CommandError(
+        f"another overnight up ({holder}) runs on namespace {keys.namespace!r}; "
+        "stop it or set another OVERNIGHT_NAMESPACE",
+        EXIT_REFUSED,
+    )
+
+
+def _renew_instance(client: redis.Redis, keys: Keys, me: str) -> None:
+    key = keys.instance("up")
+    if client.get(key) in (me, None):
+        client.set(key, me, px=INSTANCE_TTL_MS)
+
+
+def _release_instance(client: redis.Redis, keys: Keys, me: str) -> None:
+    if client.get(keys.instance("up")) == me:
+        client.delete(keys.instance("up"))
+
+
+def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> list[TaskRow]:
+    """Progress rows: each task with the age and last beat of its running lease."""
+    from worker.lease import Leases
+
+    secs, micros = client.time()
+    now = int(secs) + int(micros) / 1e6
+    running = {
+        doc.task_id: doc
+        for doc in reversed(Leases(client, keys).recent(200))
+        if doc.status == "running" and doc.task_id
+    }
+    out = []
+    for rec in records:
+        doc = running.get(rec.id) if rec.state == "running" else None
+        verdict = rec.checkpoint.last_verdict
+        text = ""
+        if verdict is not None:
+            text = "all rules pass" if not verdict.failed else "unmet: " + ", ".join(verdict.failed)
+        out.append(
+            TaskRow(
+                task_id=rec.id,
+                state=rec.state,
+                turn=rec.turns,
+                calls_used=rec.calls_used,
+                max_calls=rec.spec.max_calls,
+                lease_age=None if doc is None else now - doc.started_unix,
+                beat_age=None if doc is None else now - doc.heartbeat_unix,
+                verdict=text,
+            )
+        )
+    return out
+
+
+@dataclass
+class UpResult:
+    """How ``overnight up`` ended: its exit code and each task's final state."""
+
+    code: int
+    states: dict[str, str] = field(default_factory=dict)
+
+
+def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
+    """Run the stack until Ctrl-C/SIGTERM (or, with ``exit_when_done``, until every task of
+    this run has ended or paused). Nothing it started outlives it."""
+    from config.connection import connect
+    from config.settings import load_settings
+
+    stopper = StopRequested()
+    stopper.install()
+    os.environ.update(opts.env)
+    settings = load_settings()
+    lock = _lock_state_dir(opts.state_dir)
+    stack = Stack(env={**os.environ, **opts.env}, state_dir=opts.state_dir, grace=settings.grace)
+    try:
+        if opts.embedded or (
+            "redis_url" not in settings.model_fields_set and not _reachable(settings.redis_url)
+        ):
+            url = stack.start_redis()
+            why = "as asked" if opts.embedded else f"nothing answered at {settings.redis_url}"
+            print(
+                f"overnight: started a private redis-server at {url} ({why}); "
+                f"data and log in {opts.state_dir / 'redis'}",
+                file=sys.stderr,
+            )
+            os.environ["OVERNIGHT_REDIS_URL"] = url
+            settings = load_settings(redis_url=url)
+        return _run(opts, settings, stack, stopper, connect, out)
+    finally:
+        leftovers = stack.stop()
+        if leftovers:
+            log.warning("killed %d leftover processes: %s", len(leftovers), leftovers)
+        lock.close()
+
+
+def _run(
+    opts: UpOptions,
+    settings: Settings,
+    stack: Stack,
+    stopper: StopRequested,
+    connect: Any,
+    out: TextIO,
+) -> UpResult:
+    from coordinator.control import ensure_envelope, submit_folders
+    from coordinator.report import render_plain
+    from coordinator.taskstore import PAUSED, TERMINAL, TaskStore
+    from worker.envelope import CallEnvelope
+
+    client = connect(settings)
+    rq_conn = connect(settings, decode_responses=False)
+    client.ping()
+    keys = Keys(settings.namespace)
+    me = f"{os.uname().nodename}:{os.getpid()}"
+    _claim_instance(client, keys, me)
+    try:
+        budget = opts.budget if opts.budget is not None else settings.budget
+        if budget is not None and ensure_envelope(client, keys, budget):
+            print(f"overnight: envelope 'default' created with {budget} calls", file=sys.stderr)
+        stack.env.update({"OVERNIGHT_REDIS_URL": settings.redis_url})
+        stack.spawn(
+            "reaper", overnight_argv("reaper", "--interval", repr(settings.reaper_interval))
+        )
+        for i in range(opts.workers):
+            stack.spawn(
+                f"worker-{i + 1}", overnight_argv("worker", "--name", f"up-{os.getpid()}-{i + 1}")
+            )
+        submitted = submit_folders(client, rq_conn, settings, opts.tasks)
+        if submitted.problems:
+            for line in submitted.problems:
+                print(line, file=sys.stderr)
+            raise CommandError("invalid task files; nothing was enqueued", EXIT_USAGE)
+        ids = [rec.id for rec in submitted.records] + submitted.known
+        print(
+            f"overnight: {len(submitted.records)} tasks enqueued, {len(submitted.known)} already "
+            f"known; {opts.workers} workers; namespace {settings.namespace!r}; logs in "
+            f"{opts.state_dir / 'logs'}; Ctrl-C stops everything",
+            file=sys.stderr,
+        )
+        store = TaskStore(client, keys)
+        _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, me, out)
+        records = [r for r in (store.get(i) for i in ids) if r is not None]
+        env = CallEnvelope(client, "default", keys.namespace).snapshot()
+        footer = [
+            f"envelope default: remaining {env.remaining} (consumed model "
+            f"{env.consumed_model}, tool {env.consumed_tool})"
+        ]
+        render_plain(records, out, footer)
+        states = {r.id: r.state for r in records}
+        if stopper.signum:
+            return UpResult(128 + stopper.signum, states)
+        done = all(r.state in TERMINAL or r.state == PAUSED for r in records)
+        return UpResult(EXIT_OK if done or not opts.exit_when_done else EXIT_REFUSED, states)
+    finally:
+        _release_instance(client, keys, me)
+
+
+def _watch(
+    opts: UpOptions,
+    settings: Settings,
+    stack: Stack,
+    stopper: StopRequested,
+    client: redis.Redis,
+    rq_conn: redis.Redis,
+    keys: Keys,
+    store: Any,
+    ids: list[str],
+    me: str,
+    out: TextIO,
+) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    from coordinator.control import maintain
+    from coordinator.taskstore import PAUSED, TERMINAL
+    from worker.envelope import CallEnvelope
+
+    console = Console(file=out)
+    envelope = CallEnvelope(client, "default", keys.namespace)
+    plain = PlainProgress()
+    started = time.monotonic()
+    next_maintain = 0.0
+    warned: set[str] = set()
+    live = (
+        Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
+    )
+    if live is not None:
+        live.start()
+    try:
+        while not stopper.event.is_set():
+            now = time.monotonic()
+            _renew_instance(client, keys, me)
+            if now >= next_maintain:
+                next_maintain = now + MAINTAIN_SEC
+                for line in maintain(client, rq_conn, settings):
+                    log.info("coordinator: %s", line)
+            for name in stack.dead_members():
+                if name not in warned:
+                    warned.add(name)
+                    print(f"overnight: {name} exited; see {opts.state_dir / 'logs' / name}.log",
+                          file=sys.stderr)  # fmt: skip
+            records = [r for r in (store.get(i) for i in ids) if r is not None]
+            rows = task_rows(client, keys, records)
+            if live is not None:
+                remaining = envelope.snapshot().remaining
+                live.update(table(rows, "default", remaining, now - started), refresh=True)
+            else:
+                for line in plain.changes(rows):
+                    print(line, file=out, flush=True)
+            if opts.exit_when_done and all(
+                r.state in TERMINAL or r.state == PAUSED for r in records
+            ):
+                return
+            stopper.event.wait(REFRESH_SEC)
+    finally:
+        if live is not None:
+            live.stop()
