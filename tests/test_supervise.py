@@ -397,3 +397,24 @@ def test_stdout_and_stderr_stay_apart(env: dict[str, str]) -> None:
 def test_supervisor_pid_is_not_the_child(env: dict[str, str]) -> None:
     code, doc, _ = supervise(["--", "true"], env)
     assert code == 0 and doc["supervisor_pid"] not in (0, doc["holder_pid"], os.getpid())
+
+
+def test_a_stuck_reader_of_our_output_cannot_stall_the_kill(
+    env: dict[str, str], r: redis.Redis, namespace: str
+) -> None:
+    """Nobody reads the supervisor's stdout: the child is back-pressured, never the loop."""
+    proc = start(["--gap", "1", "--deadline", "60", "--lease-id", "stuck-1", "--", "yes"], env)
+    try:
+        leases = Leases(r, Keys(namespace))
+
+        def ended() -> bool:
+            doc = leases.get("stuck-1")
+            return doc is not None and doc.status != "running"
+
+        wait_for(ended, timeout=10)
+        doc = leases.get("stuck-1")
+        assert doc is not None and doc.note.startswith("heartbeat-gap-")
+    finally:
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3
+    assert final_doc(out)["status"] == "killed"

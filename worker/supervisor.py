@@ -254,6 +254,154 @@ def run_supervised(
             own.close()
 
 
+class _Pipes:
+    """The child's stdout and stderr: read as they come, split into lines, handed on.
+
+    Passed-through output is written without ever blocking the loop: while our own
+    stdout/stderr cannot take more, the child's pipe is not read (back-pressure), so a
+    stuck reader stalls the child, never the supervision.
+    """
+
+    def __init__(
+        self,
+        sources: dict[int, int],
+        on_output: Callable[[bytes], None] | None,
+        describe: str,
+    ) -> None:
+        self.target = dict(sources)  # child pipe fd -> our fd (1 or 2); -1 once ours is gone
+        self.lines = {fd: bytearray() for fd in sources}
+        self.open = set(sources)
+        self.pending: dict[int, bytearray] = {}  # our fd -> bytes it could not take yet
+        self.on_output = on_output
+        self.describe = describe
+        self.poller: select.poll | None = None
+
+    def attach(self, poller: select.poll) -> None:
+        self.poller = poller
+        for fd in self.open:
+            poller.register(fd, _POLL_IN)
+
+    def handles(self, fd: int) -> bool:
+        return fd in self.open or fd in self.pending
+
+    def event(self, fd: int, mask: int) -> bool:
+        """Handle a poll event; True if a line (or a carriage-return update) completed."""
+        if fd in self.pending:
+            self._resume(fd, mask)
+            return False
+        data = self._read(fd)
+        if data is None:
+            return False
+        self._take(fd, data, wait=0.0, pause=True)
+        return b"\n" in data or b"\r" in data
+
+    def drain(self, timeout: float) -> None:
+        """Read until both pipes reach EOF or ``timeout`` passes; then flush partial lines."""
+        end = time.monotonic() + timeout
+        for target in list(self.pending):
+            self._write(target, bytes(self.pending.pop(target)), max(0.0, end - time.monotonic()))
+        poller = select.poll()
+        for fd in self.open:
+            poller.register(fd, _POLL_IN)
+        while self.open:
+            events = poller.poll(max(0, math.ceil((end - time.monotonic()) * 1000)))
+            for fd, _ in events:
+                data = self._read(fd, poller)
+                if data:
+                    self._take(fd, data, wait=max(0.0, end - time.monotonic()), pause=False)
+            if not events or time.monotonic() >= end:
+                break
+        for buf in self.lines.values():
+            if buf and self.on_output is not None:
+                self._emit(bytes(buf))
+            buf.clear()
+
+    def _read(self, fd: int, poller: select.poll | None = None) -> bytes | None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return None
+        except OSError:
+            data = b""
+        if not data:
+            self.open.discard(fd)
+            with contextlib.suppress(KeyError, ValueError):
+                (poller or self.poller or select.poll()).unregister(fd)
+            return None
+        return data
+
+    def _take(self, fd: int, data: bytes, wait: float, pause: bool) -> None:
+        if self.on_output is None:
+            target = self.target[fd]
+            rest = self._write(target, data, wait) if target >= 0 else b""
+            if rest and pause and self.poller is not None:
+                # Our side is full: stop reading the child until it drains.
+                self.pending[target] = bytearray(rest)
+                self.poller.unregister(fd)
+                self.poller.register(target, select.POLLOUT)
+            return
+        buf = self.lines[fd]
+        buf += data
+        while (cut := buf.find(b"\n")) >= 0:
+            self._emit(bytes(buf[: cut + 1]))
+            del buf[: cut + 1]
+        if len(buf) >= LINE_MAX:
+            self._emit(bytes(buf))
+            buf.clear()
+
+    def _resume(self, target: int, mask: int) -> None:
+        assert self.poller is not None
+        if mask & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            self._gone(target)
+            rest = b""
+        else:
+            rest = self._write(target, bytes(self.pending[target]), 0.0)
+        if rest:
+            self.pending[target] = bytearray(rest)
+            return
+        del self.pending[target]
+        self.poller.unregister(target)
+        for fd, t in self.target.items():
+            if t == target and fd in self.open:
+                self.poller.register(fd, _POLL_IN)
+
+    def _write(self, target: int, data: bytes, wait: float) -> bytes:
+        """Write what ``target`` takes within ``wait`` seconds; return the rest."""
+        view = memoryview(data)
+        end = time.monotonic() + wait
+        check = select.poll()
+        check.register(target, select.POLLOUT)
+        while view:
+            ready = check.poll(max(0, math.ceil((end - time.monotonic()) * 1000)))
+            if not ready:
+                return bytes(view)
+            if ready[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                self._gone(target)
+                return b""
+            try:
+                # At most PIPE_BUF at a time: a pipe that polls writable takes that much.
+                view = view[os.write(target, view[:4096]) :]
+            except BlockingIOError:
+                continue
+            except OSError:
+                self._gone(target)
+                return b""
+        return b""
+
+    def _gone(self, target: int) -> None:
+        # Our own output is gone (reader closed): keep supervising, drop what would go there.
+        for fd, t in self.target.items():
+            if t == target:
+                self.target[fd] = -1
+
+    def _emit(self, line: bytes) -> None:
+        assert self.on_output is not None
+        try:
+            self.on_output(line)
+        except Exception:
+            log.exception("%s: on_output failed", self.describe)
+
+
 class _Run:
     def __init__(
         self,
@@ -268,6 +416,7 @@ class _Run:
         if not (spec.gap > 0 and spec.deadline > 0 and spec.grace >= 0):
             raise ValueError("gap and deadline must be > 0 and grace >= 0")
         self.client = _private_client(client, spec.gap)
+        self.own_client = self.client is not client
         self.keys = keys
         self.spec = spec
         self.on_output = on_output
@@ -281,8 +430,7 @@ class _Run:
         self.proc: subprocess.Popen[bytes] | None = None
         self.pidfd = -1
         self.ticks: int | None = None
-        self.buffers: dict[int, bytearray] = {}
-        self.passthrough: dict[int, int] = {}
+        self.pipes: _Pipes | None = None
         self.beat_pending = False
         self.last_beat = 0.0
         self.lapse_at = 0.0
@@ -312,12 +460,14 @@ class _Run:
         self._mirror(self.doc)
         log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
         try:
-            outcome = self._start_and_wait()
+            return self._finish(self._start_and_wait(), started)
         except BaseException as exc:
             # Whatever went wrong here, the tree must not outlive the step.
             self._abort(exc)
             raise
-        return self._finish(outcome, started)
+        finally:
+            if self.own_client:
+                self.client.connection_pool.disconnect()
 
     def _start_and_wait(self) -> _Outcome:
         early = self._pending_signal()
@@ -359,11 +509,10 @@ class _Run:
         row = tree.read_proc(proc.pid)
         self.ticks = row.start if row is not None else None
         assert proc.stdout is not None and proc.stderr is not None
-        for stream, target in ((proc.stdout, 1), (proc.stderr, 2)):
-            fd = stream.fileno()
+        sources = {proc.stdout.fileno(): 1, proc.stderr.fileno(): 2}
+        for fd in sources:
             os.set_blocking(fd, False)
-            self.buffers[fd] = bytearray()
-            self.passthrough[fd] = target
+        self.pipes = _Pipes(sources, self.on_output, f"lease={self.lease_id} host={self.host}")
 
     def _attach(self) -> None:
         assert self.proc is not None
@@ -385,8 +534,8 @@ class _Run:
         poller.register(self.pidfd, select.POLLIN)
         if self.signals is not None:
             poller.register(self.signals.read_fd, select.POLLIN)
-        for fd in self.buffers:
-            poller.register(fd, _POLL_IN)
+        assert self.pipes is not None
+        self.pipes.attach(poller)
         while True:
             now = time.monotonic()
             wait = max(0.0, self._next_wake() - now)
@@ -399,9 +548,9 @@ class _Run:
                 sig = self._pending_signal()
                 if sig is not None:
                     return self._signal_outcome(sig)
-            for fd in fds & set(self.buffers):
-                if self._read(fd, poller) and self.spec.output_beats:
-                    self.beat_pending = True
+            for fd, mask in events:
+                if self.pipes.handles(fd) and self.pipes.event(fd, mask):
+                    self.beat_pending = self.beat_pending or self.spec.output_beats
             outcome = self._tick(time.monotonic())
             if outcome is not None:
                 return outcome
@@ -530,95 +679,6 @@ class _Run:
             return _Outcome("killed", f"worker-exit-{info.si_status}", info.si_status)
         return _Outcome("killed", f"worker-signal-{info.si_status}", 128 + info.si_status)
 
-    # --- output -----------------------------------------------------------------------------
-
-    def _read(self, fd: int, poller: select.poll) -> bool:
-        """Read what is there; True if a line (or a carriage-return update) was completed."""
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return False
-        except OSError:
-            data = b""
-        if not data:
-            poller.unregister(fd)
-            self._flush(fd)
-            return False
-        if self.on_output is None:
-            self._pass(fd, data)
-        else:
-            buf = self.buffers[fd]
-            buf += data
-            while True:
-                cut = buf.find(b"\n")
-                if cut < 0:
-                    break
-                self._emit(bytes(buf[: cut + 1]))
-                del buf[: cut + 1]
-            if len(buf) >= LINE_MAX:
-                self._emit(bytes(buf))
-                buf.clear()
-        return b"\n" in data or b"\r" in data
-
-    def _pass(self, fd: int, data: bytes) -> None:
-        target = self.passthrough.get(fd, -1)
-        view = memoryview(data)
-        while target >= 0 and view:
-            try:
-                view = view[os.write(target, view) :]
-            except BlockingIOError:
-                select.select([], [target], [], 1.0)
-            except OSError:
-                self.passthrough[fd] = -1  # our own output is gone; keep supervising
-                return
-
-    def _emit(self, line: bytes) -> None:
-        assert self.on_output is not None
-        try:
-            self.on_output(line)
-        except Exception:
-            log.exception("lease=%s host=%s: on_output failed", self.lease_id, self.host)
-
-    def _flush(self, fd: int) -> None:
-        buf = self.buffers.get(fd)
-        if buf and self.on_output is not None:
-            self._emit(bytes(buf))
-            buf.clear()
-
-    def _drain(self, timeout: float) -> None:
-        """Read the pipes until both reach EOF or ``timeout`` passes."""
-        open_fds = [fd for fd in self.buffers if fd >= 0]
-        poller = select.poll()
-        for fd in open_fds:
-            poller.register(fd, _POLL_IN)
-        end = time.monotonic() + timeout
-        live = set(open_fds)
-        while live:
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            for fd, _ in poller.poll(math.ceil(left * 1000)):
-                try:
-                    data = os.read(fd, 65536)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    live.discard(fd)
-                    poller.unregister(fd)
-                    continue
-                if self.on_output is None:
-                    self._pass(fd, data)
-                else:
-                    self.buffers[fd] += data
-                    buf = self.buffers[fd]
-                    while (cut := buf.find(b"\n")) >= 0:
-                        self._emit(bytes(buf[: cut + 1]))
-                        del buf[: cut + 1]
-        for fd in open_fds:
-            self._flush(fd)
-
     # --- the end ----------------------------------------------------------------------------
 
     def _kill_tree(self, outcome: _Outcome) -> tree.KillReport | None:
@@ -638,7 +698,7 @@ class _Run:
             root_start=self.ticks,
             lease_id=self.lease_id,
             adopter=os.getpid(),
-            group_safe=True,
+            group_safe=self.proc.returncode is None,  # unreaped: its pgid cannot be reused
             keep_unreaped={self.proc.pid},
         )
         wake = [self.signals.read_fd] if self.signals is not None else []
@@ -652,13 +712,14 @@ class _Run:
         return report
 
     def _finish(self, outcome: _Outcome, started: float) -> SupervisedResult:
-        if self.proc is not None:
-            self._drain(0.0)
+        if self.pipes is not None:
+            self.pipes.drain(0.0)
         report = self._kill_tree(outcome)
         returncode = None
         if self.proc is not None:
             returncode = self.proc.wait()
-            self._drain(0.5)
+            if self.pipes is not None:
+                self.pipes.drain(0.5)
             self._close_child()
         ended_here = False
         if outcome.write:
@@ -722,7 +783,6 @@ class _Run:
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
-        self.buffers = {}
         if self.pidfd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.pidfd)
