@@ -51,6 +51,7 @@ RESULT_TTL = 7 * 86_400
 # A queued task whose RQ job vanished (or ended) is re-enqueued once it has waited this long.
 QUEUED_GRACE = 30.0
 _TEXT_CLIENTS: dict[int, redis.Redis] = {}
+_TMP = tempfile.gettempdir()  # probed once here, not in every work horse
 
 
 def text_client(conn: redis.Redis) -> redis.Redis:
@@ -119,7 +120,7 @@ def loop_config(settings: Settings, namespace: str) -> LoopConfig:
         grace=settings.grace,
         claim_ttl=settings.task_claim_ttl,
         max_lost_leases=settings.max_lost_leases,
-        prompt_dir=Path(tempfile.gettempdir()) / "overnight" / namespace,
+        prompt_dir=Path(_TMP) / "overnight" / namespace,
     )
 
 

@@ -316,7 +316,7 @@ class TaskLoop:
             )
         prompt = build_prompt(spec, cp.memory)
         prompt_file = self.config.prompt_dir / f"{rec.id}.prompt.txt"
-        prompt_file.parent.mkdir(parents=True, exist_ok=True)
+        prompt_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         prompt_file.write_text(prompt, encoding="utf-8")
         short = _clip(prompt)
         argv = [a.replace("{prompt}", short) for a in spec.agent] if spec.agent else MODEL_STEP

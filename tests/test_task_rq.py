@@ -43,6 +43,8 @@ def workers(tenv: dict[str, str]) -> Iterator[list[subprocess.Popen[bytes]]]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def cli(tenv: dict[str, str], *args: str, timeout: float = 45) -> subprocess.CompletedProcess[str]:
@@ -403,3 +405,34 @@ def test_horse_killed_alone_is_recovered_at_once(
         assert worker.poll() is None
     finally:
         kill_quietly(step_pid)
+
+
+def test_submit_wait_and_receipts_follow(
+    tenv: dict[str, str], tmp_path: Path, workers: list[subprocess.Popen[bytes]]
+) -> None:
+    reset_envelope(tenv, 10)
+    follow = subprocess.Popen(
+        [OVERNIGHT, "receipts", "waited", "--follow"], env=tenv, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    workers.append(follow)
+    workers.append(
+        subprocess.Popen(
+            [OVERNIGHT, "worker"], env=tenv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    )
+    ok = task_file(tmp_path, "waited", ["touch", "ok.txt"], [["test", "-f", "ok.txt"]])
+    proc = cli(tenv, "submit", "--wait", "--timeout", "30", str(ok))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["waited"] and "waited: finished_verified" in proc.stderr
+    assert follow.stdout is not None
+    seen = []
+    for line in follow.stdout:
+        seen.append(json.loads(line))
+        if seen[-1]["kind"] == "task_state" and seen[-1]["data"]["state"] == "finished_verified":
+            break
+    assert {rc["task_id"] for rc in seen} == {"waited"}
+    assert seen[0]["kind"] == "task_submitted"
+    bad = task_file(tmp_path, "unverified", ["true"], [["false"]], max_calls=2)
+    proc = cli(tenv, "submit", "--wait", "--timeout", "30", str(bad))
+    assert proc.returncode == 2 and "halted_at_call_ceiling" in proc.stderr
