@@ -222,3 +222,10 @@ def test_from_hash_parses_and_rejects_corrupt_records() -> None:
 
 def test_stream_cap_matches_receipts() -> None:
     assert STREAM_MAXLEN == receipts.STREAM_MAXLEN
+
+
+def test_acquire_refuses_a_nonpositive_budget_or_gap(leases: Leases) -> None:
+    for budget, gap in ((0, 5), (60, 0), (-1, 5)):
+        with pytest.raises(LeaseRefused) as err:
+            leases.acquire(budget_sec=budget, gap_sec=gap)
+        assert err.value.reason == "bad-args"

@@ -630,7 +630,8 @@ class _Run:
 
     def _refused(self, reason: str) -> _Outcome | None:
         if reason in ("lapsed", "deadline"):
-            return self._probe() or self._lost(f"beat refused: {reason}")
+            # The key is gone or about to be: the probe names the reason (or re-arms).
+            return self._probe()
         if reason.startswith("not-running:"):
             return self._ended_elsewhere(reason.split(":", 1)[1])
         return self._lost(f"beat refused: {reason}")

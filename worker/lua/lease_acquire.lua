@@ -4,14 +4,17 @@
 -- ARGV[1] lease_id  ARGV[2] host  ARGV[3] supervisor_pid  ARGV[4] budget_sec  ARGV[5] gap_sec
 -- ARGV[6] note  ARGV[7] boot_id  ARGV[8] task_id ('' = none)  ARGV[9] receipt stream maxlen
 -- ARGV[10] index retention (seconds; ended leases older than this leave the listing)
--- Returns {1, token, started_unix, deadline_unix} or {0, 'exists'}.
+-- Returns {1, token, started_unix, deadline_unix} or {0, reason}: exists | bad-args.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, 'exists'}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local budget = tonumber(ARGV[4])
 local gap = tonumber(ARGV[5])
+if not budget or not gap or budget <= 0 or gap <= 0 then
+  return {0, 'bad-args'}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local deadline = now + budget
 local lapse = math.min(now + gap, deadline)
 
