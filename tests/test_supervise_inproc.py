@@ -48,6 +48,16 @@ def test_on_output_gets_every_line_and_receipts_carry_the_task(
     assert [m.get("task_id") for m in mine] == ["task-7", "task-7"]
 
 
+def test_the_subreaper_state_is_restored_after_a_step(r: redis.Redis, namespace: str) -> None:
+    seen: list[bool] = []
+    assert not tree.is_child_subreaper()
+    spec = StepSpec(argv=["echo", "x"])
+    run_supervised(
+        r, Keys(namespace), spec, on_output=lambda _: seen.append(tree.is_child_subreaper())
+    )
+    assert seen == [True] and not tree.is_child_subreaper()
+
+
 def test_the_child_env_gets_extra_variables(r: redis.Redis, namespace: str) -> None:
     lines: list[bytes] = []
     spec = StepSpec(argv=["sh", "-c", "echo $EXTRA $OVERNIGHT_NAMESPACE"], env={"EXTRA": "x1"})

@@ -226,9 +226,10 @@ def test_group_members_count_only_while_the_root_is_the_same_process() -> None:
     assert tree.Tree(root=10, root_start=499).members(table) == {}
 
 
-def test_subreaper_can_be_set() -> None:
-    code = subprocess.run(
-        [PY, "-c", "from worker.tree import set_child_subreaper as s; print(s() and s())"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert code.stdout.strip() == "True"
+def test_subreaper_can_be_set_and_unset() -> None:
+    script = (
+        "from worker.tree import set_child_subreaper as s, is_child_subreaper as i\n"
+        "print(i(), s(), s(), i(), s(False), i())"
+    )
+    code = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=30)
+    assert code.stdout.split() == ["False", "True", "True", "True", "True", "False"]

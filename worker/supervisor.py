@@ -18,7 +18,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -198,16 +198,29 @@ def url_of(client: redis.Redis) -> str:
 
 
 _subreaper_lock = threading.Lock()
-_subreaper_pid = 0
+_subreaper_users: dict[int, tuple[int, bool]] = {}  # pid -> (steps running, was before)
 
 
-def _ensure_subreaper() -> None:
-    global _subreaper_pid
+@contextlib.contextmanager
+def _subreaper() -> Iterator[None]:
+    """Be a child subreaper while at least one step of this process runs, then restore the
+    previous state, so a long-lived caller does not collect strangers' orphans for ever."""
+    pid = os.getpid()  # a forked horse starts its own count
     with _subreaper_lock:
-        if _subreaper_pid != os.getpid():
+        count, before = _subreaper_users.get(pid, (0, False))
+        if count == 0:
+            before = tree.is_child_subreaper()
             if not tree.set_child_subreaper():
                 log.warning("host=%s: cannot become a child subreaper", procs.hostname())
-            _subreaper_pid = os.getpid()
+        _subreaper_users[pid] = (count + 1, before)
+    try:
+        yield
+    finally:
+        with _subreaper_lock:
+            count, before = _subreaper_users[pid]
+            _subreaper_users[pid] = (count - 1, before)
+            if count == 1 and not before:
+                tree.set_child_subreaper(False)
 
 
 @dataclass
@@ -459,21 +472,21 @@ class _Run:
         self.lapse_at = t0 + min(spec.gap, spec.deadline)
         self._mirror(self.doc)
         log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
-        try:
-            return self._finish(self._start_and_wait(), started)
-        except BaseException as exc:
-            # Whatever went wrong here, the tree must not outlive the step.
-            self._abort(exc)
-            raise
-        finally:
-            if self.own_client:
-                self.client.connection_pool.disconnect()
+        with _subreaper():
+            try:
+                return self._finish(self._start_and_wait(), started)
+            except BaseException as exc:
+                # Whatever went wrong here, the tree must not outlive the step.
+                self._abort(exc)
+                raise
+            finally:
+                if self.own_client:
+                    self.client.connection_pool.disconnect()
 
     def _start_and_wait(self) -> _Outcome:
         early = self._pending_signal()
         if early is not None:
             return self._signal_outcome(early)
-        _ensure_subreaper()
         try:
             self._spawn()
         except OSError as exc:

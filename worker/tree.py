@@ -19,11 +19,13 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("overnight.tree")
 
 TAG_VAR = "OVERNIGHT_LEASE_ID"
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 
 
 @dataclass(frozen=True)
@@ -76,18 +78,34 @@ def is_tagged(pid: int, lease_id: str) -> bool:
     return env.startswith(needle) or (b"\0" + needle) in env
 
 
-def set_child_subreaper() -> bool:
-    """Make this process a child subreaper, so orphaned descendants are re-parented to it.
+def set_child_subreaper(on: bool = True) -> bool:
+    """Make this process a child subreaper (or stop being one), so orphaned descendants
+    are re-parented to it rather than to init.
 
     Idempotent and safe in a forked RQ work horse; returns False where unsupported.
     """
+    libc = _libc()
+    return libc is not None and libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+
+
+def is_child_subreaper() -> bool:
+    """True if this process is a child subreaper now."""
+    import ctypes
+
+    libc = _libc()
+    flag = ctypes.c_int(0)
+    if libc is None or libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) != 0:
+        return False
+    return bool(flag.value)
+
+
+def _libc() -> Any:
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+        return ctypes.CDLL(None, use_errno=True)
     except (OSError, AttributeError):
-        return False
+        return None
 
 
 @dataclass
