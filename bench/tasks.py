@@ -32,17 +32,27 @@ def plain_job() -> int:
     return 0
 
 
-def _drain(argv: list[str], workers: int, env: dict[str, str]) -> float:
+def _drain(argv: list[str], workers: int, env: dict[str, str], logs: Path) -> float:
+    """Start the workers together and wait for all of them; their logs go to files (a
+    pipe nobody reads would stall a worker once it filled)."""
+    files = [open(logs / f"worker-{i}.log", "wb") for i in range(workers)]  # noqa: SIM115
     start = time.perf_counter()
-    procs = [
-        subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        for _ in range(workers)
-    ]
-    for proc in procs:
-        _out, err = proc.communicate(timeout=600)
+    try:
+        procs = [
+            subprocess.Popen(argv, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+            for fh in files
+        ]
+        for proc in procs:
+            proc.wait(timeout=600)
+        elapsed = time.perf_counter() - start
+    finally:
+        for fh in files:
+            fh.close()
+    for i, proc in enumerate(procs):
         if proc.returncode != 0:
-            raise SystemExit(f"worker failed ({proc.returncode}): {err.decode()[-2000:]}")
-    return time.perf_counter() - start
+            tail = (logs / f"worker-{i}.log").read_text(errors="replace")[-2000:]
+            raise SystemExit(f"worker failed ({proc.returncode}): {tail}")
+    return elapsed
 
 
 def run_plain(url: str, n: int, workers: int, env: dict[str, str]) -> float:
@@ -56,7 +66,7 @@ def run_plain(url: str, n: int, workers: int, env: dict[str, str]) -> float:
         queue.enqueue_many(datas, pipeline=pipe)
         pipe.execute()
     argv = [str(BIN / "rq"), "worker", "--burst", "--url", url, queue.name]
-    elapsed = _drain(argv, workers, env)
+    elapsed = _drain(argv, workers, env, Path(env["BENCH_LOGS"]))
     if queue.finished_job_registry.count != n:
         raise SystemExit(f"plain RQ finished {queue.finished_job_registry.count} of {n} jobs")
     return elapsed
@@ -84,7 +94,8 @@ def run_overnight(url: str, n: int, workers: int, env: dict[str, str], workdir: 
     store = TaskStore(client, Keys(namespace))
     records = store.create([spec] * n, env["OVERNIGHT_QUEUE"])
     enqueue(redis.Redis.from_url(url), records, namespace)
-    elapsed = _drain([str(BIN / "overnight"), "worker", "--burst"], workers, env)
+    argv = [str(BIN / "overnight"), "worker", "--burst"]
+    elapsed = _drain(argv, workers, env, Path(env["BENCH_LOGS"]))
     states = [rec.state for rec in store.all()]
     if states.count("finished_verified") != n:
         raise SystemExit(f"overnight verified {states.count('finished_verified')} of {n} tasks")
@@ -109,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             OVERNIGHT_REDIS_URL=server.url,
             OVERNIGHT_NAMESPACE=f"bench-{uuid.uuid4().hex[:6]}",
             OVERNIGHT_QUEUE=f"bench-tasks-{uuid.uuid4().hex[:6]}",
-            PYTHONPATH=str(ROOT),
+            BENCH_LOGS=tmp,
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(
+                os.pathsep
+            ),
         )
         plains, ourses = [], []
         for i in range(args.rounds):

@@ -59,7 +59,8 @@ def text_client(conn: redis.Redis) -> redis.Redis:
     found = _TEXT_CLIENTS.get(id(conn))
     if found is None:
         pool = conn.connection_pool
-        kwargs = {**pool.connection_kwargs, "decode_responses": True}
+        # driver_info=None: no CLIENT SETINFO round trips on each of a work horse's connects.
+        kwargs = {**pool.connection_kwargs, "decode_responses": True, "driver_info": None}
         found = redis.Redis(
             connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
         )

@@ -1,4 +1,4 @@
-"""The built-in model step (``python -m coordinator.model_step``): the agent of a task with no ``agent``.
+"""The built-in model step (``python -m coordinator.model_step``), for tasks with no ``agent``.
 
 It reads the turn's prompt from ``$OVERNIGHT_PROMPT_FILE`` (else ``$OVERNIGHT_PROMPT``),
 asks the OpenAI-compatible ``/v1/chat/completions`` endpoint at ``OVERNIGHT_MODEL_URL``
@@ -144,9 +144,8 @@ def main() -> int:
     }
     path = write_answer(Path.cwd(), turn, record)
     digest = hashlib.sha256(answer.encode()).hexdigest()[:16]
-    print(
-        f"model step: wrote {path.relative_to(Path.cwd())} ({source}, {len(answer)} chars, {digest})"
-    )
+    where = path.relative_to(Path.cwd())
+    print(f"model step: wrote {where} ({source}, {len(answer)} chars, {digest})")
     return 0
 
 
