@@ -37,8 +37,15 @@ def reset_command(n: int, max_model: int | None, max_tool: int | None, name: str
 @envelope_group.command("status")
 @click.option("--name", default="default", show_default=True, help=_NAME_HELP)
 def status_command(name: str) -> None:
-    """Print what is left and what was spent."""
-    _print(_call(name, lambda env: env.snapshot()), indent=2)
+    """Print what is left and what was spent; exit 2 if the record is corrupt."""
+    from config.exits import EXIT_REFUSED, CommandError
+    from worker.envelope import EnvelopeEmpty
+
+    try:
+        state = _call(name, lambda env: env.snapshot())
+    except EnvelopeEmpty as exc:
+        raise CommandError(str(exc), EXIT_REFUSED) from None
+    _print(state, indent=2)
 
 
 @envelope_group.command("consume")
@@ -51,6 +58,8 @@ def consume_command(kind: str, request_id: str | None, dry_run: bool, name: str)
     from config.exits import EXIT_REFUSED
     from worker.envelope import EnvelopeEmpty
 
+    if request_id is not None and not 1 <= len(request_id) <= 256:
+        raise click.BadParameter("must be 1-256 characters", param_hint="--request-id")
     try:
         state = _call(name, lambda env: env.try_consume(kind, request_id, dry_run=dry_run))
     except EnvelopeEmpty as exc:

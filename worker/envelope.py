@@ -63,8 +63,9 @@ class EnvelopeRefused(Exception):
 class EnvelopeEmpty(EnvelopeRefused):
     """The envelope refused a call: empty, never reset, short of units, or a per-kind cap.
 
-    ``reason`` is ``empty``, ``unknown``, ``short`` or ``cap``; ``state`` is the envelope as
-    the refusing script saw it.
+    ``reason`` is ``empty``, ``unknown``, ``short``, ``cap`` or ``corrupt`` (the record
+    holds something that is not a count: refused until reset); ``state`` is the envelope
+    as the refusing script saw it.
     """
 
     def __init__(
@@ -113,6 +114,8 @@ def refusal_message(
     """One line saying why a ``kind`` call was refused."""
     if reason == "short":
         what = f"short of {units} units"
+    elif reason == "corrupt":
+        what = "record is corrupt (reset it to repair)"
     elif reason == "cap":
         what = f"{kind} cap reached (max_{kind}={getattr(state, f'max_{kind}')})"
     else:
@@ -308,6 +311,8 @@ class CallEnvelope:
         reply = _Reply.parse(raw)
         if reply.reason.startswith("bad-"):
             raise ValueError(f"envelope refused the arguments: {reply.reason}")
+        if reply.reason == "corrupt":
+            raise EnvelopeEmpty(kind, 0, reason="corrupt", units=units)
         if refuse and not reply.allowed:
             rem = reply.state.remaining
             raise EnvelopeEmpty(kind, rem, reason=reply.reason, units=units, state=reply.state)

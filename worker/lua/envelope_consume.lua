@@ -6,13 +6,14 @@
 -- ARGV[9] request-id ttl (s)  ARGV[10] request id
 -- Returns {replayed, allowed, reason, remaining, consumed_model, consumed_tool, reserved_model,
 --   reserved_tool, max_model, max_tool, budget, '', ''}, all strings; reason is one of
---   ok | unknown | empty | short | cap, or bad-kind | bad-units (nothing changed).
+--   ok | unknown | empty | short | cap, or bad-kind | bad-units | corrupt (nothing changed).
 -- A dry run only refunds reservations that had already expired, and stores no answer.
 local kind, units, dry = ARGV[6], tonumber(ARGV[7]), ARGV[8] == '1'
 if kind ~= 'model' and kind ~= 'tool' then return {'0', '0', 'bad-kind'} end
 if not units or units < 1 or units > MAX_UNITS or units % 1 ~= 0 then
   return {'0', '0', 'bad-units'}
 end
+if corrupt(KEYS[1]) then return {'0', '0', 'corrupt'} end
 local rid = KEYS[4]
 if rid then
   local first = redis.call('GET', rid)

@@ -12,6 +12,20 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- True if the envelope key holds something the scripts cannot count with: another type, or a
+-- counter that is not a whole number. Every script checks this before it writes anything,
+-- since a script that fails half-way keeps its earlier writes.
+local function corrupt(hash)
+  local kind = redis.call('TYPE', hash)['ok']
+  if kind == 'none' then return false end
+  if kind ~= 'hash' then return true end
+  local v = redis.call('HMGET', hash, unpack(FIELDS))
+  for i = 1, #FIELDS do
+    if v[i] and not string.match(v[i], '^%-?%d+$') then return true end
+  end
+  return false
+end
+
 -- Give back the units of reservations that expired uncommitted.
 local function sweep(hash, zset, now)
   local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, 256)

@@ -16,6 +16,7 @@ end
 if not ttl or ttl < 1 or not string.match(ARGV[8], '^[%w-]+$') then
   return {'0', '0', 'bad-reservation'}
 end
+if corrupt(KEYS[1]) then return {'0', '0', 'corrupt'} end
 local rid = KEYS[4]
 if rid then
   local first = redis.call('GET', rid)

@@ -13,7 +13,8 @@ for i = 7, 8 do
     return {'0', '0', 'bad-units'}
   end
 end
-local before = state(KEYS[1])
+-- A reset repairs a corrupt envelope: the old values are not read, only replaced.
+local before = corrupt(KEYS[1]) and {} or state(KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2])
 local ns = string.format('%.0f', n)
 redis.call('HSET', KEYS[1], 'remaining', ns, 'budget', ns, 'consumed_model', 0,
