@@ -295,12 +295,20 @@ class Leases:
         return bool(self.client.exists(self.keys.lease_alive(lease_id)))
 
     def recent(self, limit: int = 1000) -> list[LeaseDoc]:
-        """The most recent leases of the namespace, newest first."""
+        """The most recent leases of the namespace, newest first; unreadable ones are skipped
+        (``overnight lease show ID`` names what is wrong with one)."""
         ids = self.client.zrevrange(self.keys.leases, 0, limit - 1)
         pipe = self.client.pipeline(transaction=False)
         for lease_id in ids:
             pipe.hgetall(self.keys.lease(_text(lease_id)))
-        return [LeaseDoc.from_hash(raw) for raw in pipe.execute() if raw]
+        docs = []
+        for raw in pipe.execute():
+            if raw:
+                try:
+                    docs.append(LeaseDoc.from_hash(raw))
+                except LeaseCorrupt:
+                    continue
+        return docs
 
     def lapsed_ids(self, limit: int = 1000) -> list[str]:
         """Ids of running leases whose lapse time (server clock) has passed: O(log N + expired)."""
