@@ -26,7 +26,12 @@ def _store() -> TaskStore:
 
 
 def _record(store: TaskStore, task_id: str) -> TaskRecord:
-    rec = store.get(task_id)
+    from coordinator.taskstore import TaskCorrupt
+
+    try:
+        rec = store.get(task_id)
+    except TaskCorrupt as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
     if rec is None:
         raise CommandError(f"no task {task_id!r} in namespace {store.keys.namespace!r}", EXIT_USAGE)
     return rec

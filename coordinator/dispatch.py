@@ -33,7 +33,7 @@ from config.context import settings as current_settings
 from config.keys import Keys
 from coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop, lost_step_decision
 from coordinator.steps import StepRunner, supervised_runner
-from coordinator.taskstore import Runner, TaskRecord, TaskStore
+from coordinator.taskstore import Runner, TaskCorrupt, TaskRecord, TaskStore
 from worker.envelope import CallEnvelope, EnvelopeEmpty
 
 if TYPE_CHECKING:
@@ -181,6 +181,15 @@ def _job_gone(rq_conn: redis.Redis, job_id: str) -> bool:
     return status in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
 
 
+def _readable(store: TaskStore, task_id: str) -> TaskRecord | None:
+    """The task, or None if it is gone or unreadable (one bad record must not stop a pass)."""
+    try:
+        return store.get(task_id)
+    except TaskCorrupt as exc:
+        log.warning("%s; left alone", exc)
+        return None
+
+
 def recover(
     client: redis.Redis,
     rq_conn: redis.Redis,
@@ -209,7 +218,7 @@ def recover(
     for i, task_id in enumerate(ids):
         (state, updated), claimed = rows[2 * i], rows[2 * i + 1]
         if state == "running" and not claimed:
-            rec = store.get(task_id)
+            rec = _readable(store, task_id)
             if rec is None:
                 continue
             cp = rec.checkpoint.model_copy(deep=True)
@@ -224,7 +233,7 @@ def recover(
                 if new == "queued":
                     requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
         elif state == "queued" and now - float(updated or 0) > QUEUED_GRACE:
-            rec = store.get(task_id)
+            rec = _readable(store, task_id)
             if rec is not None and rec.state == "queued" and _job_gone(rq_conn, rec.job_id()):
                 actions.append(f"{task_id}: re-enqueued attempt {rec.attempt}")
                 requeue.append(rec)

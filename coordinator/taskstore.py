@@ -17,7 +17,7 @@ from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from config.keys import Keys
 from coordinator.taskfile import TaskSpec
@@ -141,6 +141,14 @@ class TaskRecord(BaseModel):
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> TaskRecord:
+        """Parse a task hash; raises :class:`TaskCorrupt` (one line) if it is unreadable."""
+        try:
+            return cls._parse(raw)
+        except (KeyError, ValueError) as exc:
+            raise TaskCorrupt(str(raw.get("id") or "?"), exc) from None
+
+    @classmethod
+    def _parse(cls, raw: dict[str, str]) -> TaskRecord:
         def number(key: str) -> float | None:
             value = raw.get(key)
             return float(value) if value else None
@@ -162,6 +170,22 @@ class TaskRecord(BaseModel):
             updated_unix=number("updated_unix"),
             runner=Runner.model_validate_json(runner) if runner else None,
         )
+
+
+class TaskCorrupt(ValueError):
+    """A task record in Redis is missing a field or holds one that does not parse."""
+
+    def __init__(self, task_id: str, exc: Exception) -> None:
+        if isinstance(exc, ValidationError):
+            err = exc.errors()[0]
+            where = ".".join(str(part) for part in err["loc"]) or exc.title
+            why = f"bad {where}: {err['msg']}"
+        elif isinstance(exc, KeyError):
+            why = f"record has no {exc.args[0]}"
+        else:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        super().__init__(f"task {task_id!r}: unreadable record: {why}")
+        self.task_id = task_id
 
 
 class TaskIdTaken(Exception):
@@ -222,6 +246,7 @@ class TaskStore:
         return [str(x) for x in self.client.zrange(self.keys.tasks, 0, -1)]
 
     def all(self) -> list[TaskRecord]:
+        """Every readable task of the namespace (unreadable records are skipped)."""
         ids = self.ids()
         pipe = self.client.pipeline(transaction=False)
         for task_id in ids:
@@ -229,7 +254,10 @@ class TaskStore:
         out = []
         for raw in pipe.execute():
             if raw and "spec" in raw:
-                out.append(TaskRecord.from_hash(raw))
+                try:
+                    out.append(TaskRecord.from_hash(raw))
+                except TaskCorrupt:
+                    continue  # `overnight status TASK` names what is wrong with it
         return out
 
     def live_ids(self, ids: list[str]) -> list[str]:
