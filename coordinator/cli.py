@@ -6,10 +6,17 @@ so ``overnight supervise`` does not pay for RQ or rich.
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv[1:2] == ["supervise"]:
+    # Before the imports below: a SIGTERM during start-up must be forwarded, not fatal.
+    from worker import early_signals
+
+    early_signals.install()
+
 import importlib
 import importlib.util
 import json
-import sys
 import traceback
 from typing import Any
 

@@ -114,6 +114,11 @@ class SignalCatcher:
         catcher._old_fd = signal.set_wakeup_fd(catcher.write_fd, warn_on_full_buffer=False)
         for sig in FORWARDED:
             catcher._old[sig] = signal.signal(sig, catcher._handle)
+        from worker import early_signals
+
+        catcher.pending.extend(early_signals.take())
+        if catcher.pending:
+            os.write(catcher.write_fd, b"\0")
         return catcher
 
     def _handle(self, signum: int, frame: object) -> None:
