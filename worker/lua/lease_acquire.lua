@@ -18,10 +18,12 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local deadline = now + budget
 local lapse = math.min(now + gap, deadline)
 
--- The token is at least the server's clock in ms, so it keeps growing even if a Redis
--- without persistence restarts and forgets the sequence.
+-- The token is at least the server's clock in microseconds, so it keeps growing even if a
+-- Redis without persistence restarts and forgets the sequence: no acquire runs in under a
+-- microsecond, so tokens never run ahead of that clock (in milliseconds a burst of acquires
+-- did, and a quick restart then handed out a token again). Exact in doubles until 2255.
 local last = tonumber(redis.call('GET', KEYS[3]) or '0')
-local token = math.max(last + 1, math.floor(now * 1000))
+local token = math.max(last + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
 local token_s = string.format('%.0f', token)
 redis.call('SET', KEYS[3], token_s)
 
@@ -34,11 +36,14 @@ redis.call('HSET', KEYS[1],
   'child_start_ticks', '', 'boot_id', ARGV[7], 'task_id', ARGV[8])
 redis.call('SET', KEYS[2], token_s, 'PX', math.max(1, math.floor((lapse - now) * 1000)))
 redis.call('ZADD', KEYS[4], string.format('%.0f', lapse * 1000), ARGV[1])
-redis.call('ZADD', KEYS[5], string.format('%.0f', now * 1000), ARGV[1])
+-- Microseconds in the score too, so leases started within one millisecond still list in order.
+redis.call('ZADD', KEYS[5], string.format('%.3f', now * 1000), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf',
   string.format('%.0f', (now - tonumber(ARGV[10])) * 1000))
 local receipt = cjson.encode({ts = now, host = ARGV[2], lease_id = ARGV[1],
   task_id = (ARGV[8] ~= '' and ARGV[8]) or nil,
-  data = {token = token, budget_sec = budget, heartbeat_max_gap_sec = gap}})
+  data = {token = 0, budget_sec = budget, heartbeat_max_gap_sec = gap}})
+-- cjson writes numbers with 14 significant digits and a token has 16: splice in its digits.
+receipt = string.gsub(receipt, '"token":0([,}])', '"token":' .. token_s .. '%1', 1)
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[9], '*', 'kind', 'lease_acquired', 'data', receipt)
 return {1, token_s, fmt(now), fmt(deadline)}

@@ -26,6 +26,8 @@ redis.call('ZREM', KEYS[3], doc[3])
 local receipt = cjson.encode({ts = now, host = ARGV[10], lease_id = doc[3],
   task_id = (doc[4] ~= '' and doc[4]) or nil,
   data = {status = status, note = ARGV[3], exit_code = tonumber(ARGV[4]), writer = ARGV[6],
-          token = tonumber(ARGV[1])}})
+          token = 0}})
+-- cjson writes numbers with 14 significant digits and a token has 16: splice in its digits.
+receipt = string.gsub(receipt, '"token":0([,}])', '"token":' .. ARGV[1] .. '%1', 1)
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'kind', ARGV[7], 'data', receipt)
 return {1, ended}
