@@ -4,6 +4,8 @@ lives in taskfile, taskstore, dispatch and report, imported when a command runs.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,8 +128,14 @@ def _wait(ids: list[str], store: TaskStore, timeout: float | None) -> int:
 )
 @click.option("--name", metavar="NAME", help="Worker name (default: random).")
 @click.option("--max-jobs", type=click.IntRange(min=1), help="Exit after this many jobs.")
+@click.option(
+    "--with-reaper",
+    is_flag=True,
+    help="Also run this host's reaper as a child process (one command per container, "
+    "as docker-compose.yml does); it stops with the worker.",
+)
 def worker_command(
-    burst: bool, queues: tuple[str, ...], name: str | None, max_jobs: int | None
+    burst: bool, queues: tuple[str, ...], name: str | None, max_jobs: int | None, with_reaper: bool
 ) -> None:
     """Run an RQ worker that runs overnight tasks (an rq.Worker subclass).
 
@@ -150,7 +158,28 @@ def worker_command(
     conn.ping()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     worker = OvernightWorker(names, connection=conn, name=name)
-    worker.work(burst=burst, logging_level="INFO", max_jobs=max_jobs)
+    reaper = _start_reaper() if with_reaper else None
+    try:
+        worker.work(burst=burst, logging_level="INFO", max_jobs=max_jobs)
+    finally:
+        if reaper is not None:
+            reaper.terminate()
+            reaper.wait(30)
+
+
+def _start_reaper() -> subprocess.Popen[bytes]:
+    """``overnight reaper`` as a child that gets SIGTERM if this worker dies."""
+
+    def die_with_parent() -> None:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "reaper"],
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
 
 
 @click.command("status")

@@ -7,16 +7,25 @@ topology minus containers) and the example tasks reach their expected end states
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 from compose_spec import PyCompose
 
 from config.settings import Settings, env_name
+from coordinator.embedded_redis import free_port
+from tests.conftest import OVERNIGHT
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -91,3 +100,90 @@ def test_compose_environment_is_valid_settings(monkeypatch: pytest.MonkeyPatch) 
     settings = Settings(**{k.removeprefix("OVERNIGHT_").lower(): v for k, v in values.items() if v})
     assert settings.redis_url == "redis://redis:6379/0"
     assert settings.budget == 40
+
+
+def service_argv(command: list[str], tasks: Path) -> list[str]:
+    """A service's command as a local process: our console script, the tasks volume mapped."""
+    argv = [OVERNIGHT if command[0] == "overnight" else command[0], *command[1:]]
+    return [str(tasks) if a == "/tasks" else a for a in argv]
+
+
+@pytest.mark.timeout(150)
+def test_compose_topology_runs_the_example_tasks(tmp_path: Path) -> None:
+    """Every service's own command, with its own environment, as local processes."""
+    services = load()["services"]
+    tasks = tmp_path / "tasks"
+    shutil.copytree(ROOT / "tasks", tasks)
+    port = free_port()
+    namespace = f"compose-{os.getpid()}"
+    # What a user's .env would say: the Redis address on this machine and a small budget.
+    dotenv = {
+        "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{port}/0",
+        "OVERNIGHT_NAMESPACE": namespace,
+        "OVERNIGHT_BUDGET": "16",
+    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(name: str, argv: list[str], env: dict[str, str]) -> None:
+        with open(logs / f"{name}.log", "wb") as out:
+            procs.append(
+                subprocess.Popen(argv, env=env, cwd=tasks, stdout=out, stderr=subprocess.STDOUT)
+            )
+
+    redis_cmd = list(services["redis"]["command"])
+    redis_cmd += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    start("redis", redis_cmd, base)
+    try:
+        client = redis.Redis(port=port, decode_responses=True)
+        wait_for(lambda: _pings(client), timeout=10)
+        for name in ("coordinator", "worker"):
+            svc = services[name]
+            env = {**base}
+            for key, value in svc["environment"].items():
+                env[key] = interpolate(str(value), dotenv)
+            replicas = svc.get("deploy", {}).get("replicas", 1)
+            for i in range(replicas):
+                start(f"{name}-{i}", service_argv(svc["command"], tasks), env)
+        env = {**base, **dotenv}
+
+        def states() -> dict[str, str]:
+            proc = subprocess.run(
+                [OVERNIGHT, "status"], env=env, capture_output=True, text=True, timeout=30
+            )
+            return {t["id"]: t["state"] for t in json.loads(proc.stdout or "[]")}
+
+        ended = {"finished_verified", "halted_at_call_ceiling", "halted_stuck", "expired"}
+        wait_for(
+            lambda: len(states()) == 4 and set(states().values()) <= ended,
+            timeout=120,
+            interval=0.5,
+        )
+        assert states() == {
+            "greeting": "finished_verified",
+            "fix-add": "finished_verified",
+            "hangs-once": "finished_verified",
+            "never-done": "halted_at_call_ceiling",
+        }
+        workers = client.smembers("rq:workers:overnight")
+        assert len(workers) == 3
+        assert client.exists(f"{{{namespace}}}:reaper:{socket.gethostname()}")
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert all(p.returncode is not None for p in procs)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
