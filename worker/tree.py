@@ -19,6 +19,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 log = logging.getLogger("overnight.tree")
@@ -78,6 +79,24 @@ def is_tagged(pid: int, lease_id: str) -> bool:
     return env.startswith(needle) or (b"\0" + needle) in env
 
 
+def own_children() -> set[int] | None:
+    """This process's children, zombies included (``/proc/self/task/*/children``), or None
+    if ``/proc`` cannot tell for sure (no such file, or a thread came or went meanwhile,
+    which may move its children to another thread)."""
+    base = f"/proc/{os.getpid()}/task"
+    found: set[int] = set()
+    try:
+        tids = sorted(os.listdir(base))
+        for tid in tids:
+            with open(f"{base}/{tid}/children", "rb") as fh:
+                found.update(int(pid) for pid in fh.read().split())
+        if sorted(os.listdir(base)) != tids:
+            return None
+    except (OSError, ValueError):
+        return None
+    return found
+
+
 def set_child_subreaper(on: bool = True) -> bool:
     """Make this process a child subreaper (or stop being one), so orphaned descendants
     are re-parented to it rather than to init.
@@ -99,6 +118,7 @@ def is_child_subreaper() -> bool:
     return bool(flag.value)
 
 
+@cache
 def _libc() -> Any:
     try:
         import ctypes
@@ -159,6 +179,37 @@ class Tree:
                     found[child.pid] = child
                     stack.append(child.pid)
         return found
+
+    def exited_alone(self) -> bool:
+        """True when the root has exited and, provably without a scan, nothing else of the
+        tree can be alive (so :func:`end_tree` has nothing to do).
+
+        Why this is enough: this process is a child subreaper and an ancestor of every
+        descendant. When a process exits, its children go to the nearest living subreaper
+        above them, so the topmost living process of any surviving branch is a child of
+        this process (or of a subreaper that is itself such a surviving descendant). An
+        orphan that reached us stays in our children list, as a zombie once dead, until we
+        reap it. So if our only child is the exited, unreaped root (others we may have, if
+        they started before the root: they cannot descend from it), no descendant lives, and
+        group and session members (only descendants can be in them) are gone too. What this
+        does not cover are processes that never descended from the root but carry its tag
+        (started on its behalf by some other process); the full scan still looks for tags
+        whenever the root is alive, we are not a subreaper, or any orphan came back to us.
+        """
+        if self.adopter is None or self.adopter != os.getpid() or not is_child_subreaper():
+            return False
+        try:
+            info = os.waitid(os.P_PID, self.root, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        children = own_children()
+        if info is None or children is None or self.root not in children:
+            return False
+        for pid in children - {self.root}:
+            row = read_proc(pid)
+            if row is not None and (self.root_start is None or row.start >= self.root_start):
+                return False
+        return True
 
     def _tagged(self, proc: Proc) -> bool:
         if proc.dead or not self.lease_id:
@@ -267,6 +318,9 @@ def end_tree(
     """
     started = time.monotonic()
     report = KillReport()
+    if tree.exited_alone():
+        report.seconds = time.monotonic() - started
+        return report
     sig = _Signaller()
     wake = list(wake_fds)
     try:
@@ -276,7 +330,9 @@ def end_tree(
             _reap(members, tree.keep_unreaped)
             alive = {pid: p for pid, p in members.items() if not p.dead}
             if not alive:
-                break
+                # Nothing of the tree is left to start anything: no second scan needed.
+                report.seconds = time.monotonic() - started
+                return report
             if tree.group_safe:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(tree.root, first_signal)
