@@ -187,9 +187,12 @@ def load(path: Path) -> TaskSpec:
     workdir_text = data.get("workdir", ".")
     workdir = None
     if isinstance(workdir_text, str) and "\x00" not in workdir_text:
-        workdir = (path.parent / workdir_text).resolve()
-        if not workdir.is_dir():
-            problems.append(f"{label}: workdir: no such directory: {workdir}")
+        try:
+            workdir = (path.parent / workdir_text).resolve()
+            if not workdir.is_dir():
+                problems.append(f"{label}: workdir: no such directory: {workdir}")
+        except OSError as exc:  # e.g. a name too long for the file system
+            problems.append(f"{label}: workdir: unusable: {exc.strerror or exc}")
     try:
         spec = TaskSpec.model_validate(data)
     except ValidationError as exc:
