@@ -198,9 +198,16 @@ class Leases:
                   note, procs.boot_id(), task_id or "", STREAM_MAXLEN, RETENTION_SEC],
         )  # fmt: skip
         _check(lease_id, res)
-        doc = self.get(lease_id)
-        assert doc is not None
-        return doc
+        # The document as the script just wrote it (same strings, same parse): no read back.
+        started = _text(res[2])
+        return LeaseDoc.from_hash({
+            "lease_id": lease_id, "token": _text(res[1]), "holder_pid": "0", "pgid": "0",
+            "host": procs.hostname(), "budget_sec": _num(budget_sec), "started_unix": started,
+            "deadline_unix": _text(res[3]), "heartbeat_unix": started,
+            "heartbeat_max_gap_sec": _num(gap_sec), "status": "running", "note": note,
+            "exit_code": "", "ended_unix": "", "supervisor_pid": str(supervisor_pid),
+            "child_start_ticks": "", "boot_id": procs.boot_id(), "task_id": task_id or "",
+        })  # fmt: skip
 
     def attach(self, lease_id: str, token: int, *, pid: int, pgid: int, start: int | None) -> None:
         """Record the supervised child on the lease."""
@@ -237,16 +244,24 @@ class Leases:
         only_if_lapsed: bool = False,
         writer: str = "supervisor",
         receipt_kind: str = "lease_ended",
-    ) -> None:
-        """Write a terminal status once. Raises :class:`LeaseRefused` if someone else won."""
+        fetch: bool = False,
+    ) -> LeaseDoc | None:
+        """Write a terminal status once. Raises :class:`LeaseRefused` if someone else won.
+
+        With ``fetch``, returns the ended document, read in the same script; else None.
+        """
         k = self.keys
         res = self._end(
             keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
             args=[token, status, note, "" if exit_code is None else exit_code,
                   "1" if only_if_lapsed else "0", writer, receipt_kind, STREAM_MAXLEN,
-                  RETENTION_SEC, procs.hostname()],
+                  RETENTION_SEC, procs.hostname(), "1" if fetch else "0"],
         )  # fmt: skip
         _check(lease_id, res)
+        if not fetch:
+            return None
+        flat = res[2]
+        return LeaseDoc.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
 
     def end_many(
         self,

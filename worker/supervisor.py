@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -163,24 +164,41 @@ def client_for_url(url: str, gap: float) -> redis.Redis:
     )
 
 
+# Per caller pool and timeout, the supervisor's own client: steps run one after another in
+# a work horse share its connection instead of opening one each.
+_private: weakref.WeakKeyDictionary[Any, dict[float, redis.Redis]] = weakref.WeakKeyDictionary()
+_private_lock = threading.Lock()
+
+
 def _private_client(client: redis.Redis, gap: float) -> redis.Redis:
-    """A copy of ``client`` with the supervisor's short timeouts (the original if it cannot)."""
+    """A copy of ``client`` with the supervisor's short timeouts (the original if it cannot);
+    made once per pool and timeout, then shared."""
     import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
 
     pool = client.connection_pool
     if type(pool) is not redis.ConnectionPool or "fakeredis" in type(client).__module__:
         return client
-    kwargs = dict(pool.connection_kwargs)
     t = io_timeout(gap)
+    with _private_lock:
+        mine = _private.setdefault(pool, {})
+        if t not in mine:
+            mine[t] = _copy_client(pool, t) or client
+        return mine[t]
+
+
+def _copy_client(pool: redis.ConnectionPool, t: float) -> redis.Redis | None:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    kwargs = dict(pool.connection_kwargs)
     kwargs.update(socket_timeout=t, retry=Retry(NoBackoff(), 1), decode_responses=True)
     if "socket_connect_timeout" in kwargs:
         kwargs["socket_connect_timeout"] = t
     try:
         new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     except TypeError:
-        return client
+        return None
     return redis.Redis(connection_pool=new_pool)
 
 
@@ -434,7 +452,6 @@ class _Run:
         if not (spec.gap > 0 and spec.deadline > 0 and spec.grace >= 0):
             raise ValueError("gap and deadline must be > 0 and grace >= 0")
         self.client = _private_client(client, spec.gap)
-        self.own_client = self.client is not client
         self.keys = keys
         self.spec = spec
         self.on_output = on_output
@@ -484,9 +501,6 @@ class _Run:
                 # Whatever went wrong here, the tree must not outlive the step.
                 self._abort(exc)
                 raise
-            finally:
-                if self.own_client:
-                    self.client.connection_pool.disconnect()
 
     def _start_and_wait(self) -> _Outcome:
         early = self._pending_signal()
@@ -740,10 +754,10 @@ class _Run:
             if self.pipes is not None:
                 self.pipes.drain(0.5)
             self._close_child()
-        ended_here = False
+        ended_here, ended = False, None
         if outcome.write:
-            ended_here, outcome = self._write_end(outcome)
-        doc = self._final_doc(outcome)
+            ended_here, outcome, ended = self._write_end(outcome)
+        doc = ended if ended is not None else self._final_doc(outcome)
         self._mirror(doc)
         log.info("lease=%s host=%s task=%s: ended %s/%s, exit %d", self.lease_id, self.host,
                  self.spec.task_id, doc.status, doc.note, outcome.exit_code)  # fmt: skip
@@ -758,21 +772,26 @@ class _Run:
             kill=report,
         )
 
-    def _write_end(self, outcome: _Outcome) -> tuple[bool, _Outcome]:
-        """End the lease, retrying through a Redis outage no longer than the gap."""
+    def _write_end(self, outcome: _Outcome) -> tuple[bool, _Outcome, LeaseDoc | None]:
+        """End the lease, retrying through a Redis outage no longer than the gap; with the
+        ended document when this wrote the end."""
         now = time.monotonic()
         since = self.unreachable_since if self.unreachable_since is not None else now
         give_up = max(since + self.spec.gap, now + (max(self.spec.gap, 1.0) if outcome.lost else 0))
         while True:
             try:
-                self.leases.end(self.lease_id, self.token, outcome.status, outcome.note,
-                                exit_code=outcome.exit_code,
-                                receipt_kind=outcome.receipt_kind)  # fmt: skip
-                return True, outcome
+                doc = self.leases.end(self.lease_id, self.token, outcome.status, outcome.note,
+                                      exit_code=outcome.exit_code,
+                                      receipt_kind=outcome.receipt_kind, fetch=True)  # fmt: skip
+                return True, outcome, doc
             except LeaseRefused as exc:
                 log.warning("lease=%s host=%s: end refused: %s", self.lease_id, self.host,
                             exc.reason)  # fmt: skip
-                return False, outcome
+                return False, outcome, None
+            except LeaseCorrupt as exc:
+                log.warning("lease=%s host=%s: ended, but the record reads back wrong: %s",
+                            self.lease_id, self.host, exc)  # fmt: skip
+                return True, outcome, None
             except self.errors:
                 if time.monotonic() >= give_up:
                     break
@@ -780,8 +799,8 @@ class _Run:
         log.error("lease=%s host=%s: could not record the end (%s); lease lost",
                   self.lease_id, self.host, outcome.note)  # fmt: skip
         if outcome.lost:
-            return False, outcome
-        return False, _Outcome("killed", "lease-lost", EXIT_LEASE_LOST, lost=True)
+            return False, outcome, None
+        return False, _Outcome("killed", "lease-lost", EXIT_LEASE_LOST, lost=True), None
 
     def _final_doc(self, outcome: _Outcome) -> LeaseDoc:
         with contextlib.suppress(*self.errors, LeaseCorrupt):

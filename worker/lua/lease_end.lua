@@ -4,8 +4,9 @@
 -- ARGV[4] exit code ('' = none)  ARGV[5] '1' = only if the liveness key has lapsed (the reaper)
 -- ARGV[6] writer (supervisor | reaper)  ARGV[7] receipt kind  ARGV[8] receipt stream maxlen
 -- ARGV[9] seconds to keep the ended document  ARGV[10] host of the writer
--- Returns {1, ended_unix} or {0, reason}:
---   unknown | stale-token | already-ended:<status> | bad-status | alive.
+-- ARGV[11] '1' = also return the ended document (saves the writer a read)
+-- Returns {1, ended_unix} (with ARGV[11]: {1, ended_unix, HGETALL of the document}) or
+--   {0, reason}: unknown | stale-token | already-ended:<status> | bad-status | alive.
 local status = ARGV[2]
 if status ~= 'done' and status ~= 'killed' and status ~= 'expired' then
   return {0, 'bad-status'}
@@ -30,4 +31,5 @@ local receipt = cjson.encode({ts = now, host = ARGV[10], lease_id = doc[3],
 -- cjson writes numbers with 14 significant digits and a token has 16: splice in its digits.
 receipt = string.gsub(receipt, '"token":0([,}])', '"token":' .. ARGV[1] .. '%1', 1)
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'kind', ARGV[7], 'data', receipt)
+if ARGV[11] == '1' then return {1, ended, redis.call('HGETALL', KEYS[1])} end
 return {1, ended}
