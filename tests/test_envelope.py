@@ -130,15 +130,47 @@ def test_unknown_kind_is_a_value_error(ev: CallEnvelope) -> None:
 def test_scripts_check_their_own_preconditions(ev: CallEnvelope, client: redis.Redis) -> None:
     ev.reset(2)
     consume = client.register_script(source("envelope_lib") + source("envelope_consume"))
-    ctx = ["default", "h", 1000, "", ""]
+    ctx = ['{"envelope": "default", "maxlen": 1000}']
     keys = [ev.keys.envelope("default"), ev.keys.envelope_reservations("default"), "r"]
-    for bad_kind, units, reason in (("image", 1, "bad-kind"), ("model", 0, "bad-units")):
-        raw = consume(keys=keys, args=[*ctx, bad_kind, units, "0", 60, ""])
-        assert [v.decode() if isinstance(v, bytes) else v for v in raw][2] == reason
+
+    def reason(raw: str | bytes) -> str:
+        return (raw.decode() if isinstance(raw, bytes) else raw).split("|")[2]
+
+    for bad_kind, units, why in (("image", 1, "bad-kind"), ("model", 0, "bad-units")):
+        assert reason(consume(keys=keys, args=[*ctx, bad_kind, units, "0"])) == why
     reset = client.register_script(source("envelope_lib") + source("envelope_reset"))
-    raw = reset(keys=keys, args=[*ctx, -1, "", ""])
-    assert [v.decode() if isinstance(v, bytes) else v for v in raw][2] == "bad-units"
-    assert ev.snapshot().remaining == 2
+    assert reason(reset(keys=keys, args=[*ctx, -1, "", ""])) == "bad-units"
+    commit = client.register_script(source("envelope_lib") + source("envelope_commit"))
+    rsv = ev.reserve("tool", 1)
+    assert reason(commit(keys=keys[:2], args=[rsv.member, 2])) == "bad-actual"
+    assert reason(commit(keys=keys[:2], args=["x:tool:1", 1])) == "unknown"
+    assert ev.snapshot().remaining == 1
+
+
+@pytest.mark.parametrize(
+    "corruption", [{"remaining": "abc"}, {"consumed_tool": "1.5"}, {"max_model": "{"}, "str"]
+)
+def test_a_corrupt_record_is_refused_untouched_until_reset(
+    ev: CallEnvelope, corruption: dict[str, str] | str
+) -> None:
+    key = ev.keys.envelope("default")
+    if isinstance(corruption, dict):
+        ev.reset(3)
+        ev.client.hset(key, mapping=corruption)
+    else:
+        ev.client.set(key, corruption)
+    raw = ev.client.dump(key)
+    for attempt in (
+        lambda: ev.try_consume("model"),
+        lambda: ev.reserve("tool", 1),
+        lambda: ev.snapshot(),
+    ):
+        with pytest.raises(EnvelopeEmpty) as info:
+            attempt()
+        assert info.value.reason == "corrupt" and "corrupt" in str(info.value)
+    assert ev.client.dump(key) == raw
+    assert ev.reset(2).remaining == 2
+    assert ev.try_consume("model").remaining == 1
 
 
 def test_repeated_request_id_gets_the_first_answer(ev: CallEnvelope) -> None:

@@ -8,6 +8,7 @@ that was never reset is empty and an unreachable Redis refuses: the envelope fai
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -33,10 +34,6 @@ KINDS: tuple[Kind, ...] = ("model", "tool")
 # Lua numbers are doubles: beyond 2**53 the scripts' comparisons would stop being exact.
 MAX_UNITS = 2**53
 DEFAULT_REQUEST_TTL = 86_400
-_STATE_FIELDS = (
-    "remaining", "consumed_model", "consumed_tool", "reserved_model", "reserved_tool",
-    "max_model", "max_tool", "budget",
-)  # fmt: skip
 
 
 class EnvelopeState(BaseModel):
@@ -136,7 +133,7 @@ class Reservation:
     @property
     def member(self) -> str:
         """The reservation as the scripts store it."""
-        return f"{self.id}|{self.kind}|{self.units}"
+        return f"{self.id}:{self.kind}:{self.units}"
 
 
 class CallEnvelope:
@@ -171,13 +168,10 @@ class CallEnvelope:
         self.request_ttl = request_ttl
         k = self.keys
         self._keys = [k.envelope(name), k.envelope_reservations(name), k.receipts]
-        self._context: list[str | int] = [
-            name,
-            procs.hostname(),
-            STREAM_MAXLEN,
-            task_id or "",
-            lease_id or "",
-        ]
+        # Receipt labels travel as one argument; scripts decode them only to write a receipt.
+        labels = {"envelope": name, "host": procs.hostname(), "task_id": task_id,
+                  "lease_id": lease_id, "maxlen": STREAM_MAXLEN}  # fmt: skip
+        self._context: list[str | int] = [json.dumps(labels)]
         self._consume = _register(redis_client, "consume")
         self._reserve = _register(redis_client, "reserve")
         self._commit = _register(redis_client, "commit")
@@ -235,9 +229,10 @@ class CallEnvelope:
         """
         _check_kind(kind)
         _check_units("units", units)
+        args: list[str | int] = [kind, units, "1" if dry_run else "0"]
+        if request_id is not None:
+            args += [self.request_ttl, request_id]
         keys = self._keys_for(request_id)
-        dry = "1" if dry_run else "0"
-        args: list[str | int] = [kind, units, dry, self.request_ttl, request_id or ""]
         return self._run(self._consume, kind, keys, args, units).state
 
     def reserve(
@@ -258,7 +253,7 @@ class CallEnvelope:
         args: list[str | int] = [kind, units, rsv_id, ttl_ms, self.request_ttl, request_id or ""]
         reply = self._run(self._reserve, kind, keys, args, units)
         member, expires = reply.extra
-        rsv_id, _, _ = member.split("|")
+        rsv_id, _, _ = member.split(":")
         return Reservation(rsv_id, cast(Kind, kind), units, int(expires), reply.state)
 
     def commit(self, reservation: Reservation, actual: int) -> EnvelopeState:
@@ -327,17 +322,23 @@ class _Reply:
     extra: tuple[str, str]
 
     @classmethod
-    def parse(cls, raw: Any) -> _Reply:
-        values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
-        if len(values) < 3 + len(_STATE_FIELDS) + 2:
+    def parse(cls, raw: str | bytes) -> _Reply:
+        values = (raw.decode() if isinstance(raw, bytes) else raw).split("|")
+        if len(values) < 13:
             return cls(False, values[2], EnvelopeState(), ("", ""))
-        fields = values[3 : 3 + len(_STATE_FIELDS)]
-        data: dict[str, Any] = {
-            name: (int(v) if v != "" else (None if name.startswith("max_") else 0))
-            for name, v in zip(_STATE_FIELDS, fields, strict=True)
-        }
-        state = EnvelopeState.model_construct(**data, replayed=values[0] == "1")
-        return cls(values[1] == "1", values[2], state, (values[-2], values[-1]))
+        f = values[3:11]
+        state = EnvelopeState.model_construct(
+            remaining=int(f[0] or 0),
+            consumed_model=int(f[1] or 0),
+            consumed_tool=int(f[2] or 0),
+            reserved_model=int(f[3] or 0),
+            reserved_tool=int(f[4] or 0),
+            max_model=int(f[5]) if f[5] else None,
+            max_tool=int(f[6]) if f[6] else None,
+            budget=int(f[7] or 0),
+            replayed=values[0] == "1",
+        )
+        return cls(values[1] == "1", values[2], state, (values[11], values[12]))
 
 
 @contextmanager

@@ -3,46 +3,39 @@
 -- reservation never committed is refunded by the first script that runs after it expires.
 -- KEYS[1] envelope hash   KEYS[2] reservations zset   KEYS[3] receipt stream
 -- KEYS[4] request-id key (optional; with it a repeated call gets the same reservation)
--- ARGV[1] envelope name  ARGV[2] host  ARGV[3] stream maxlen  ARGV[4] task id  ARGV[5] lease id
--- ARGV[6] kind: model | tool  ARGV[7] units (>= 1)  ARGV[8] reservation id
--- ARGV[9] reservation ttl (ms)  ARGV[10] request-id ttl (s)  ARGV[11] request id
--- Returns {replayed, allowed, reason, <8 state fields as in envelope_consume>, member,
---   expiry (server ms)}, all strings; reason as in envelope_consume.
-local kind, units, ttl = ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[9])
-if kind ~= 'model' and kind ~= 'tool' then return {'0', '0', 'bad-kind'} end
-if not units or units < 1 or units > MAX_UNITS or units % 1 ~= 0 then
-  return {'0', '0', 'bad-units'}
+-- ARGV[1] receipt context (JSON)  ARGV[2] kind: model | tool  ARGV[3] units (>= 1)
+-- ARGV[4] reservation id  ARGV[5] reservation ttl (ms)  ARGV[6] request-id ttl (s)
+-- ARGV[7] request id
+-- Returns 'replayed|allowed|reason|<state>|member|expiry ms'; reason as in envelope_consume,
+--   or bad-reservation.
+local kind, units, ttl, rid = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5]), KEYS[4]
+if not AT[kind] then return '0|0|bad-kind' end
+if bad_units(units, 1) then return '0|0|bad-units' end
+if bad_units(ttl, 1) or not string.match(ARGV[4], '^[%w-]+$') then
+  return '0|0|bad-reservation'
 end
-if not ttl or ttl < 1 or not string.match(ARGV[8], '^[%w-]+$') then
-  return {'0', '0', 'bad-reservation'}
-end
-if corrupt(KEYS[1]) then return {'0', '0', 'corrupt'} end
-local rid = KEYS[4]
 if rid then
   local first = redis.call('GET', rid)
-  if first then
-    local out = cjson.decode(first)
-    table.insert(out, 1, '1')
-    return out
-  end
+  if first then return '1|' .. first end
 end
 local now = now_ms()
-sweep(KEYS[1], KEYS[2], now)
-local why = refusal(KEYS[1], kind, units)
+local v = load(KEYS[1])
+if not v then return '0|0|corrupt' end
+v = sweep(KEYS[1], KEYS[2], v, now)
+local why = refusal(v, kind, units)
 local member, expiry = '', ''
 if why then
-  local rem = redis.call('HGET', KEYS[1], 'remaining')
-  receipt(KEYS[3], ARGV[3], 'envelope_refused', ARGV[2], blank(ARGV[4]), blank(ARGV[5]),
-    {envelope = ARGV[1], kind = kind, units = units, reason = why, reserve = true,
-     remaining = tonumber(rem) or 0, request_id = blank(ARGV[11])})
+  receipt(KEYS[3], ARGV[1], 'envelope_refused', {kind = kind, units = units,
+    reason = why, reserve = true, remaining = tonumber(v[1]) or 0,
+    request_id = rid and ARGV[7] or nil})
 else
-  member = ARGV[8] .. '|' .. kind .. '|' .. string.format('%.0f', units)
-  expiry = string.format('%.0f', now + ttl)
-  redis.call('HINCRBY', KEYS[1], 'remaining', -units)
-  redis.call('HINCRBY', KEYS[1], 'reserved_' .. kind, units)
+  local at = AT[kind]
+  member = ARGV[4] .. ':' .. kind .. ':' .. fmt(units)
+  expiry = fmt(now + ttl)
+  v[1] = fmt(redis.call('HINCRBY', KEYS[1], 'remaining', -units))
+  v[at[2]] = fmt(redis.call('HINCRBY', KEYS[1], FIELDS[at[2]], units))
   redis.call('ZADD', KEYS[2], expiry, member)
 end
-local out = answer(why and '0' or '1', why or 'ok', KEYS[1], member, expiry)
-if rid then redis.call('SET', rid, cjson.encode(out), 'EX', ARGV[10]) end
-table.insert(out, 1, '0')
-return out
+local out = reply(why and '0' or '1', why or 'ok', v, member, expiry)
+if rid then redis.call('SET', rid, out, 'EX', ARGV[6]) end
+return '0|' .. out

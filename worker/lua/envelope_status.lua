@@ -1,8 +1,7 @@
 -- Read the envelope, after refunding reservations that expired uncommitted.
 -- KEYS[1] envelope hash   KEYS[2] reservations zset
--- Returns {'0', exists ('1' or '0'), 'ok', <8 state fields as in envelope_consume>, '', ''}.
-if corrupt(KEYS[1]) then return {'0', '0', 'corrupt'} end
-sweep(KEYS[1], KEYS[2], now_ms())
-local out = answer(tostring(redis.call('EXISTS', KEYS[1])), 'ok', KEYS[1])
-table.insert(out, 1, '0')
-return out
+-- Returns '0|exists|ok|<state>||' with exists '1' or '0' (never reset), or '0|0|corrupt'.
+local v = load(KEYS[1])
+if not v then return '0|0|corrupt' end
+v = sweep(KEYS[1], KEYS[2], v)
+return '0|' .. reply(v[1] == '' and '0' or '1', 'ok', v)
