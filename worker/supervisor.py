@@ -204,7 +204,7 @@ def _copy_client(pool: redis.ConnectionPool, t: float) -> redis.Redis | None:
 
 def url_of(client: redis.Redis) -> str:
     """A redis-py URL that reaches the same server as ``client`` (for the child's env)."""
-    from urllib.parse import quote
+    from urllib.parse import quote, urlencode
 
     kw = client.connection_pool.connection_kwargs
     auth = ""
@@ -217,7 +217,15 @@ def url_of(client: redis.Redis) -> str:
     if kw.get("path"):
         return f"unix://{auth}{kw['path']}?db={db}"
     scheme = "rediss" if "SSL" in client.connection_pool.connection_class.__name__ else "redis"
-    return f"{scheme}://{auth}{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{db}"
+    url = f"{scheme}://{auth}{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{db}"
+    # The TLS options redis-py reads from a URL, so the child trusts the same certificates.
+    tls = {k: str(v) for k, v in kw.items() if k in _TLS_QUERY and v not in (None, "")}
+    tls.update({k: str(kw[k]) for k, usual in _TLS_USUAL.items() if kw.get(k, usual) != usual})
+    return f"{url}?{urlencode(tls)}" if scheme == "rediss" and tls else url
+
+
+_TLS_QUERY = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+_TLS_USUAL = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}  # redis-py's defaults
 
 
 _subreaper_lock = threading.Lock()
