@@ -42,6 +42,7 @@ from config.keys import Keys
 from coordinator.embedded_redis import EmbeddedRedis
 from coordinator.taskstore import PAUSED, TERMINAL
 from worker import tree
+from worker.envelope import CallEnvelope, EnvelopeEmpty
 from worker.reaper import lease_tag
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
@@ -295,10 +296,15 @@ class Soak:
         # Every allowed envelope answer is one request id; each unit must have exactly one.
         allowed: set[str] = set()
         prefix = k.envelope_request(ENVELOPE, "")
+        envelope = CallEnvelope(self.client, ENVELOPE, self.namespace)
         for key in self.client.scan_iter(match=prefix + "*", count=1000):
-            answer = json.loads(self.client.get(key) or "[]")
-            if answer and answer[0] == "1":
-                allowed.add(key[len(prefix) :])
+            rid = key[len(prefix) :]
+            try:  # a repeated request id is answered with its first answer, charging nothing
+                replay = envelope.try_consume("model", request_id=rid)
+            except EnvelopeEmpty:
+                continue
+            if replay.replayed:
+                allowed.add(rid)
         result.doubled_units = max(0, result.consumed - len(allowed))
         lost = max(0, len(allowed) - result.consumed)
 

@@ -1,0 +1,17 @@
+"""SIGKILL at every point, in CI: the bench.soak harness for a short run, every invariant held."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.soak import run_soak
+
+
+@pytest.mark.timeout(200)
+def test_soak_kills_lose_double_and_orphan_nothing() -> None:
+    result = run_soak(seconds=20, workers=3, seed=7)
+    assert not result.problems, "\n".join(result.lines())
+    assert sum(result.kills.values()) >= 5 and result.kills["horse"] >= 1
+    assert result.tasks >= 6 and result.leases == result.leases_ended > 0
+    assert result.budget == result.remaining + result.consumed
+    assert result.orphans == 0 and result.lost_units == 0 and result.doubled_units == 0
