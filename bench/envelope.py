@@ -32,7 +32,7 @@ def _watch_decrement(client: redis.Redis, key: str, spent: str) -> Callable[[], 
         with client.pipeline() as pipe:
             while True:
                 try:
-                    pipe.watch(key)
+                    pipe.watch(key)  # type: ignore[no-untyped-call]
                     remaining = int(pipe.get(key) or 0)
                     if remaining <= 0:
                         pipe.unwatch()
@@ -89,6 +89,11 @@ def run_mode(mode: str, url: str, procs: int, seconds: float) -> float:
     return total / seconds
 
 
+def _server_cpu(client: redis.Redis) -> float:
+    info: dict[str, float] = client.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
+
+
 def _prepare(url: str) -> None:
     client = redis.Redis.from_url(url, decode_responses=True)
     client.flushdb()
@@ -108,14 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    server_us: dict[str, list[float]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp)) as server:
         _prepare(server.url)
+        probe = redis.Redis.from_url(server.url, decode_responses=True)
         for _ in range(args.rounds):
             for mode in MODES:
-                rates[mode].append(run_mode(mode, server.url, args.procs, args.seconds))
-        spent = redis.Redis.from_url(server.url, decode_responses=True)
-        consumed = CallEnvelope(spent, "bench", NAMESPACE).snapshot().consumed_model
-        spent.close()
+                before = _server_cpu(probe)
+                rate = run_mode(mode, server.url, args.procs, args.seconds)
+                rates[mode].append(rate)
+                server_us[mode].append((_server_cpu(probe) - before) / (rate * args.seconds) * 1e6)
+        consumed = CallEnvelope(probe, "bench", NAMESPACE).snapshot().consumed_model
+        probe.close()
 
     mean = {mode: sum(values) / len(values) for mode, values in rates.items()}
     print(f"{args.procs} client processes, {args.rounds} rounds x {args.seconds:g} s per mode")
@@ -126,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     for mode in MODES:
         per_round = ", ".join(f"{v:,.0f}" for v in rates[mode])
-        print(f"  {labels[mode]:<34} {mean[mode]:>10,.0f} ops/s   (rounds: {per_round})")
+        cpu = sum(server_us[mode]) / len(server_us[mode])
+        print(
+            f"  {labels[mode]:<34} {mean[mode]:>10,.0f} ops/s   (rounds: {per_round}; "
+            f"server CPU ~{cpu:.0f} us/op)"
+        )
     ok = True
     for other, target in TARGETS.items():
         ratio = mean["envelope"] / mean[other]

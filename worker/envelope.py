@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+import redis
 from pydantic import BaseModel, Field
 
 from config.keys import Keys
@@ -24,7 +25,6 @@ from worker.receipts import STREAM_MAXLEN
 from worker.scripts import source
 
 if TYPE_CHECKING:
-    import redis
     from redis.commands.core import Script
 
     from config.settings import Settings
@@ -297,8 +297,6 @@ class CallEnvelope:
         context: bool = True,
         refuse: bool = True,
     ) -> _Reply:
-        import redis
-
         try:
             raw = script(keys=keys, args=[*self._context, *args] if context else args)
         except redis.RedisError as exc:

@@ -16,7 +16,9 @@ if v[1] == '' or not redis.call('ZSCORE', KEYS[2], member) then
 end
 redis.call('ZREM', KEYS[2], member)
 local at = AT[kind]
-v[at[2]] = fmt(redis.call('HINCRBY', KEYS[1], FIELDS[at[2]], -units))
-v[at[1]] = fmt(redis.call('HINCRBY', KEYS[1], FIELDS[at[1]], actual))
-v[1] = fmt(redis.call('HINCRBY', KEYS[1], 'remaining', units - actual))
+v[at[2]] = fmt((tonumber(v[at[2]]) or 0) - units)
+v[at[1]] = fmt((tonumber(v[at[1]]) or 0) + actual)
+v[1] = fmt(tonumber(v[1]) + units - actual)
+redis.call('HSET', KEYS[1], FIELDS[at[2]], v[at[2]], FIELDS[at[1]], v[at[1]],
+  'remaining', v[1])
 return '0|' .. reply('1', 'ok', v)

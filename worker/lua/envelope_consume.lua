@@ -22,9 +22,11 @@ if why then
   receipt(KEYS[3], ARGV[1], 'envelope_refused', {kind = kind, units = units,
     reason = why, remaining = tonumber(v[1]) or 0, request_id = rid and ARGV[6] or nil})
 else
+  -- One write of values computed from the state just read: exact, and the script is atomic.
   local at = AT[kind]
-  v[1] = fmt(redis.call('HINCRBY', KEYS[1], 'remaining', -units))
-  v[at[1]] = fmt(redis.call('HINCRBY', KEYS[1], FIELDS[at[1]], units))
+  v[1] = fmt(tonumber(v[1]) - units)
+  v[at[1]] = fmt((tonumber(v[at[1]]) or 0) + units)
+  redis.call('HSET', KEYS[1], 'remaining', v[1], FIELDS[at[1]], v[at[1]])
 end
 local out = reply(why and '0' or '1', why or 'ok', v)
 if rid then redis.call('SET', rid, out, 'EX', ARGV[5]) end

@@ -32,8 +32,9 @@ else
   local at = AT[kind]
   member = ARGV[4] .. ':' .. kind .. ':' .. fmt(units)
   expiry = fmt(now + ttl)
-  v[1] = fmt(redis.call('HINCRBY', KEYS[1], 'remaining', -units))
-  v[at[2]] = fmt(redis.call('HINCRBY', KEYS[1], FIELDS[at[2]], units))
+  v[1] = fmt(tonumber(v[1]) - units)
+  v[at[2]] = fmt((tonumber(v[at[2]]) or 0) + units)
+  redis.call('HSET', KEYS[1], 'remaining', v[1], FIELDS[at[2]], v[at[2]])
   redis.call('ZADD', KEYS[2], expiry, member)
 end
 local out = reply(why and '0' or '1', why or 'ok', v, member, expiry)
