@@ -61,7 +61,7 @@ _clients: dict[tuple[int, str], redis.Redis] = {}
 
 
 def _leases(lease: LeaseEnv) -> Leases:
-    from worker.supervisor import client_for_url
+    from worker.clients import client_for_url
 
     key = (os.getpid(), lease.redis_url)  # a forked child must not share a parent's socket
     with _lock:

@@ -1,0 +1,130 @@
+"""The supervised child: started as the leader of its own group and session, watched through a
+pidfd, and ended together with everything it started (:mod:`worker.tree`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from worker import procs, tree
+from worker.output import Pipes
+
+if TYPE_CHECKING:
+    from worker.signals import SignalCatcher
+
+log = logging.getLogger("overnight.supervisor")
+
+_subreaper_lock = threading.Lock()
+_subreaper_users: dict[int, tuple[int, bool]] = {}  # pid -> (steps running, was before)
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[None]:
+    """Be a child subreaper while at least one step of this process runs, then restore the
+    previous state, so a long-lived caller does not collect strangers' orphans for ever."""
+    pid = os.getpid()  # a forked horse starts its own count
+    with _subreaper_lock:
+        count, before = _subreaper_users.get(pid, (0, False))
+        if count == 0:
+            before = tree.is_child_subreaper()
+            if not tree.set_child_subreaper():
+                log.warning("host=%s: cannot become a child subreaper", procs.hostname())
+        _subreaper_users[pid] = (count + 1, before)
+    try:
+        yield
+    finally:
+        with _subreaper_lock:
+            count, before = _subreaper_users[pid]
+            _subreaper_users[pid] = (count - 1, before)
+            if count == 1 and not before:
+                tree.set_child_subreaper(False)
+
+
+class Child:
+    """One started command: its process, a pidfd that polls readable once it exits, its start
+    time (clock ticks, for telling a reused PID apart) and its output pipes."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        cwd: str | None,
+        env: dict[str, str],
+        on_output: Callable[[bytes], None] | None,
+        describe: str,
+    ) -> None:
+        """Start ``argv`` with stdin from /dev/null; raises OSError if it cannot start."""
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            bufsize=0,
+        )
+        self.pid = self.proc.pid
+        self.pidfd = os.pidfd_open(self.pid)
+        row = tree.read_proc(self.pid)
+        self.ticks = row.start if row is not None else None
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        sources = {self.proc.stdout.fileno(): 1, self.proc.stderr.fileno(): 2}
+        for fd in sources:
+            os.set_blocking(fd, False)
+        self.pipes = Pipes(sources, on_output, describe)
+        self.describe = describe
+
+    def exit_status(self) -> tuple[bool, int]:
+        """How the exited child ended, leaving it unreaped: (True, exit code) or (False, signal)."""
+        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        return info.si_code == os.CLD_EXITED, info.si_status
+
+    def end_tree(
+        self, lease_id: str, grace: float, first_signal: int, signals: SignalCatcher | None
+    ) -> tree.KillReport:
+        """End the child and everything it started (:func:`worker.tree.end_tree`); a further
+        signal to this process while the grace runs skips the rest of it."""
+        seen = len(signals.pending) if signals is not None else 0
+
+        def hurry() -> bool:
+            if signals is None:
+                return False
+            signals.drain()
+            return len(signals.pending) > seen
+
+        target = tree.Tree(
+            root=self.pid,
+            root_start=self.ticks,
+            lease_id=lease_id,
+            adopter=os.getpid(),
+            group_safe=self.proc.returncode is None,  # unreaped: its pgid cannot be reused
+            keep_unreaped={self.pid},
+        )
+        wake = [signals.read_fd] if signals is not None else []
+        report = tree.end_tree(target, grace, first_signal=first_signal, hurry=hurry, wake_fds=wake)
+        if report.signalled or report.killed:
+            log.warning("%s: ended %d process(es) of the tree in %.2fs", self.describe,
+                        len(report.signalled | report.killed), report.seconds)  # fmt: skip
+        return report
+
+    def reap(self) -> int:
+        """Wait for the child itself (its tree already ended); its return code."""
+        return self.proc.wait()
+
+    def close(self) -> None:
+        """Close the pipes and the pidfd."""
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = -1
