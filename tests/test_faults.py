@@ -157,7 +157,11 @@ def test_worker_reconnects_by_itself_after_a_restart(
             raw = client_of(server).hget(Keys(namespace).task("after"), "state")
             return raw if raw not in (None, "queued", "running") else None
 
-        assert wait_for(state, timeout=45, interval=0.2) == "finished_verified"
+        try:
+            assert wait_for(state, timeout=45, interval=0.2) == "finished_verified"
+        except AssertionError:
+            log.flush()
+            raise AssertionError((tmp_path / "worker.log").read_text()[-3000:]) from None
         assert worker.poll() is None, "the worker died instead of reconnecting"
     finally:
         worker.kill()
