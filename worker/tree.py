@@ -83,7 +83,7 @@ def own_children() -> set[int] | None:
     """This process's children, zombies included (``/proc/self/task/*/children``), or None
     if ``/proc`` cannot tell for sure (no such file, or a thread came or went meanwhile,
     which may move its children to another thread)."""
-    base = f"/proc/{os.getpid()}/task"
+    base = "/proc/self/task"
     found: set[int] = set()
     try:
         tids = sorted(os.listdir(base))
