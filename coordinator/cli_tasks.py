@@ -144,7 +144,10 @@ def worker_command(
     OVERNIGHT_RECOVERY_INTERVAL seconds while idle it recovers tasks whose worker died:
     re-queued from their checkpoint, or paused when a step's outcome is unknown.
     """
+    import contextlib
     import logging
+
+    import redis
 
     from config.context import rq_connection, settings
     from config.settings import NAME_RE
@@ -160,7 +163,21 @@ def worker_command(
     worker = OvernightWorker(names, connection=conn, name=name)
     reaper = _start_reaper() if with_reaper else None
     try:
-        worker.work(burst=burst, logging_level="INFO", max_jobs=max_jobs)
+        while True:
+            try:
+                worker.work(burst=burst, logging_level="INFO", max_jobs=max_jobs)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # RQ rides out a lost connection while it waits for jobs, not while it starts
+                # up or reports a job: start over once Redis is back (as RQ would have).
+                logging.getLogger("overnight.worker").warning(
+                    "Redis unreachable (%s); starting the worker again in 1s", exc
+                )
+                with contextlib.suppress(Exception):
+                    worker.unsubscribe()  # type: ignore[no-untyped-call]
+                    worker.register_death()  # type: ignore[no-untyped-call]
+                time.sleep(1.0)
+                worker = OvernightWorker(names, connection=conn, name=name)
     finally:
         if reaper is not None:
             reaper.terminate()
