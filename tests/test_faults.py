@@ -131,8 +131,9 @@ def test_envelope_consumes_across_a_restart_are_exact(redis_factory: Any, namesp
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("when", ["starting", "idle"])
 def test_worker_reconnects_by_itself_after_a_restart(
-    env: dict[str, str], redis_factory: Any, tmp_path: Path, namespace: str
+    env: dict[str, str], redis_factory: Any, tmp_path: Path, namespace: str, when: str
 ) -> None:
     from tests.test_task_rq import task_file
 
@@ -145,7 +146,10 @@ def test_worker_reconnects_by_itself_after_a_restart(
     worker = subprocess.Popen([OVERNIGHT, "worker"], env=tenv, stdout=log, stderr=log)
     try:
         client = client_of(server)
-        wait_for(lambda: client.keys("rq:worker:*"), timeout=20, interval=0.1)
+        # "starting": the restart lands while RQ is still setting the worker up.
+        wait_for(lambda: client.keys("rq:worker:*"), timeout=20, interval=0.002)
+        if when == "idle":
+            time.sleep(2.0)
         restart(server)
         time.sleep(1.0)  # the worker meets the restart while blocked on its queue
         path = task_file(tmp_path, "after", ["touch", "ok.txt"], [["test", "-f", "ok.txt"]])

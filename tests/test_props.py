@@ -398,7 +398,9 @@ def test_hostile_arguments_get_a_documented_code_and_one_line(
     argv = COMMANDS[which](arg)
     code, out, err = run_cli(argv, capsys)
     assert "Traceback" not in out + err and "internal error" not in err, (argv, err)
-    if argv[:2] == ["envelope", "consume"] and code == 2:
+    if argv[:2] == ["envelope", "consume"] and code == 0:
+        assert json.loads(out)["remaining"] >= 0  # an earlier example reset this namespace
+    elif argv[:2] == ["envelope", "consume"] and code == 2:
         assert one_line(out) and json.loads(out)["remaining"] == 0 and err == ""
     elif argv[0] == "receipts" or argv[:2] == ["envelope", "status"] or argv == ["status", "--"]:
         assert code in (0, 64), (argv, code, err)
