@@ -108,6 +108,11 @@ def _redis_error(exc: BaseException) -> bool:
     return isinstance(exc, redis.ConnectionError | redis.TimeoutError)
 
 
+def _redis_permission_error(exc: BaseException) -> bool:
+    redis = sys.modules.get("redis")
+    return redis is not None and isinstance(exc, redis.exceptions.NoPermissionError)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the CLI and exit with the contract's codes."""
     args = sys.argv[1:] if argv is None else argv
@@ -139,6 +144,13 @@ def main(argv: list[str] | None = None) -> None:
         elif _redis_error(exc):
             click.echo(f"overnight: Redis unreachable: {exc}", err=True)
             code = EXIT_REDIS_DOWN
+        elif _redis_permission_error(exc):
+            click.echo(
+                f"overnight: bad configuration: the Redis user of OVERNIGHT_REDIS_URL "
+                f"may not do this ({exc})",
+                err=True,
+            )
+            code = EXIT_BAD_CONFIG
         else:
             if debug:
                 traceback.print_exc()

@@ -130,6 +130,10 @@ def test_an_acl_user_limited_to_its_namespace_runs_everything_and_nothing_else(
     # The CLI of the limited user pointed at the other namespace: refused, one line.
     proc = run({**tenv, "OVERNIGHT_NAMESPACE": other}, "envelope", "consume", "model")
     assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    # A permission refusal is a configuration problem: exit 78, one line, no secret.
+    proc = run({**tenv, "OVERNIGHT_NAMESPACE": other}, "lease", "show", theirs.lease_id)
+    assert proc.returncode == 78, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "s3cret-pw" not in proc.stderr
     assert CallEnvelope(day, "default", other).snapshot().remaining == 9
     assert Leases(day, Keys(other)).get(theirs.lease_id).status == "running"  # type: ignore[union-attr]
 
