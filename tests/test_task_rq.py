@@ -340,7 +340,8 @@ def test_model_step_in_the_loop(tenv: dict[str, str], tmp_path: Path, mode: str)
             f"model-{mode}",
             None,
             [["test", "-f", "out/answer.md"]],
-            heartbeat_gap=1,
+            # Long enough that a loaded machine's interpreter start-up is not a gap kill.
+            heartbeat_gap=3,
             max_calls=2,
         )
         submit(env, path)
