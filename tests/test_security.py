@@ -200,6 +200,9 @@ tries = {
     "end own with a guessed token": lambda: leases.end(own, token + 1, "done", "forged"),
     "end own with an older token": lambda: leases.end(own, other_token, "done", "forged"),
     "beat own with a stale token": lambda: leases.beat(own, token - 1),
+    "end own with its own token": lambda: leases.end(own, token, "done", "forged"),
+    "end own as the reaper would": lambda: leases.end(
+        own, token, "done", "forged", only_if_lapsed=True, writer="reaper"),
 }
 refused = {}
 for name, attempt in tries.items():
@@ -229,6 +232,8 @@ def test_a_supervised_child_cannot_forge_ends_or_beat_another_lease(
     assert proc.returncode == 0, proc.stderr
     verdicts = json.loads(proc.stdout.splitlines()[0])
     assert "ALLOWED" not in verdicts.values(), verdicts
+    assert verdicts.pop("end own with its own token") == "end-key"  # the supervisor's alone
+    assert verdicts.pop("end own as the reaper would") == "alive"
     assert set(verdicts.values()) <= {"stale-token"}
     doc = Leases(r, keys).get(victim.lease_id)
     assert doc is not None and (doc.status, doc.note) == ("running", "boot")

@@ -12,8 +12,10 @@ This module imports neither redis nor pydantic, so ``overnight supervise`` and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -177,6 +179,8 @@ class Leases:
         self._beat = register(client, "lease_beat")
         self._note = register(client, "lease_note")
         self._end = register(client, "lease_end")
+        # lease id -> end key of the leases this instance acquired; only a SHA-1 is in Redis.
+        self._end_keys: dict[str, str] = {}
 
     def acquire(
         self,
@@ -191,13 +195,16 @@ class Leases:
         """Create a running lease; raises :class:`LeaseRefused` ('exists') if the id is taken."""
         lease_id = lease_id or new_lease_id()
         k = self.keys
+        end_key = secrets.token_hex(16)
         res = self._acquire(
             keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_seq, k.lease_expiry,
                   k.leases, k.receipts],
             args=[lease_id, procs.hostname(), supervisor_pid, _num(budget_sec), _num(gap_sec),
-                  note, procs.boot_id(), task_id or "", STREAM_MAXLEN, RETENTION_SEC],
+                  note, procs.boot_id(), task_id or "", STREAM_MAXLEN, RETENTION_SEC,
+                  hashlib.sha1(end_key.encode()).hexdigest()],
         )  # fmt: skip
         _check(lease_id, res)
+        self._end_keys[lease_id] = end_key
         # The document as the script just wrote it (same strings, same parse): no read back.
         started = _text(res[2])
         return LeaseDoc.from_hash({
@@ -255,9 +262,11 @@ class Leases:
             keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
             args=[token, status, note, "" if exit_code is None else exit_code,
                   "1" if only_if_lapsed else "0", writer, receipt_kind, STREAM_MAXLEN,
-                  RETENTION_SEC, procs.hostname(), "1" if fetch else "0"],
+                  RETENTION_SEC, procs.hostname(), "1" if fetch else "0",
+                  self._end_keys.get(lease_id, "")],
         )  # fmt: skip
         _check(lease_id, res)
+        self._end_keys.pop(lease_id, None)
         if not fetch:
             return None
         flat = res[2]
@@ -282,7 +291,8 @@ class Leases:
             self._end(
                 keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
                 args=[token, status, note, "", "1" if only_if_lapsed else "0", writer,
-                      receipt_kind, STREAM_MAXLEN, RETENTION_SEC, procs.hostname()],
+                      receipt_kind, STREAM_MAXLEN, RETENTION_SEC, procs.hostname(), "0",
+                      self._end_keys.get(lease_id, "")],
                 client=pipe,
             )  # fmt: skip
         out: list[str | None] = []

@@ -4,6 +4,8 @@
 -- ARGV[1] lease_id  ARGV[2] host  ARGV[3] supervisor_pid  ARGV[4] budget_sec  ARGV[5] gap_sec
 -- ARGV[6] note  ARGV[7] boot_id  ARGV[8] task_id ('' = none)  ARGV[9] receipt stream maxlen
 -- ARGV[10] index retention (seconds; ended leases older than this leave the listing)
+-- ARGV[11] SHA-1 of the supervisor's end key ('' = none): only its holder may end the lease
+--   while it is live, so a child handed just the token cannot write itself a verdict.
 -- Returns {1, token, started_unix, deadline_unix} or {0, reason}: exists | bad-args.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, 'exists'}
@@ -33,7 +35,7 @@ redis.call('HSET', KEYS[1],
   'budget_sec', ARGV[4], 'started_unix', fmt(now), 'deadline_unix', fmt(deadline),
   'heartbeat_unix', fmt(now), 'heartbeat_max_gap_sec', ARGV[5], 'status', 'running',
   'note', ARGV[6], 'exit_code', '', 'ended_unix', '', 'supervisor_pid', ARGV[3],
-  'child_start_ticks', '', 'boot_id', ARGV[7], 'task_id', ARGV[8])
+  'child_start_ticks', '', 'boot_id', ARGV[7], 'task_id', ARGV[8], 'end_key_sha1', ARGV[11])
 redis.call('SET', KEYS[2], token_s, 'PX', math.max(1, math.floor((lapse - now) * 1000)))
 redis.call('ZADD', KEYS[4], string.format('%.0f', lapse * 1000), ARGV[1])
 -- Microseconds in the score too, so leases started within one millisecond still list in order.

@@ -5,17 +5,26 @@
 -- ARGV[6] writer (supervisor | reaper)  ARGV[7] receipt kind  ARGV[8] receipt stream maxlen
 -- ARGV[9] seconds to keep the ended document  ARGV[10] host of the writer
 -- ARGV[11] '1' = also return the ended document (saves the writer a read)
+-- ARGV[12] the end key whose SHA-1 acquire stored; not needed on the reaper's lapsed-only
+--   path, which may not write 'done'
 -- Returns {1, ended_unix} (with ARGV[11]: {1, ended_unix, HGETALL of the document}) or
---   {0, reason}: unknown | stale-token | already-ended:<status> | bad-status | alive.
+--   {0, reason}: unknown | stale-token | already-ended:<status> | bad-status | alive | end-key.
 local status = ARGV[2]
 if status ~= 'done' and status ~= 'killed' and status ~= 'expired' then
   return {0, 'bad-status'}
 end
-local doc = redis.call('HMGET', KEYS[1], 'token', 'status', 'lease_id', 'task_id')
+local doc = redis.call('HMGET', KEYS[1], 'token', 'status', 'lease_id', 'task_id',
+  'end_key_sha1')
 if not doc[1] then return {0, 'unknown'} end
 if doc[1] ~= ARGV[1] then return {0, 'stale-token'} end
 if doc[2] ~= 'running' then return {0, 'already-ended:' .. doc[2]} end
-if ARGV[5] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {0, 'alive'} end
+if ARGV[5] == '1' then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return {0, 'alive'} end
+  if status == 'done' then return {0, 'bad-status'} end
+elseif doc[5] and doc[5] ~= '' and redis.sha1hex and redis.sha1hex(ARGV[12] or '') ~= doc[5] then
+  -- (Every Redis has redis.sha1hex; only fakeredis's Lua lacks it, and skips this check.)
+  return {0, 'end-key'}
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ended = string.format('%.6f', now)
