@@ -35,7 +35,7 @@ redis.call('HSET', KEYS[1],
   'budget_sec', ARGV[4], 'started_unix', fmt(now), 'deadline_unix', fmt(deadline),
   'heartbeat_unix', fmt(now), 'heartbeat_max_gap_sec', ARGV[5], 'status', 'running',
   'note', ARGV[6], 'exit_code', '', 'ended_unix', '', 'supervisor_pid', ARGV[3],
-  'child_start_ticks', '', 'boot_id', ARGV[7], 'task_id', ARGV[8], 'end_key_sha1', ARGV[11])
+  'child_start_ticks', '', 'boot_id', ARGV[7], 'task_id', ARGV[8], 'end_key_sha1', ARGV[11] or '')
 redis.call('SET', KEYS[2], token_s, 'PX', math.max(1, math.floor((lapse - now) * 1000)))
 redis.call('ZADD', KEYS[4], string.format('%.0f', lapse * 1000), ARGV[1])
 -- Microseconds in the score too, so leases started within one millisecond still list in order.
