@@ -31,11 +31,8 @@ def ensure_envelope(client: redis.Redis, keys: Keys, budget: int, name: str = "d
     """
     from worker.envelope import CallEnvelope
 
-    # The marker makes creation happen once even with two coordinators starting together.
-    marker = keys.envelope(name) + ":created"
-    if client.exists(keys.envelope(name)) or not client.set(marker, "1", nx=True):
+    if not CallEnvelope(client, name, keys.namespace).create(budget):
         return False
-    CallEnvelope(client, name, keys.namespace).reset(budget)
     log.info("namespace=%s envelope %s created with %d calls", keys.namespace, name, budget)
     return True
 

@@ -208,6 +208,16 @@ class CallEnvelope:
         args = (*self._keys, *self._context, n, _opt(max_model), _opt(max_tool))
         return self._run(self._reset, "reset", 3, args).state
 
+    def create(self, n: int) -> bool:
+        """:meth:`reset` to ``n`` only if the envelope does not exist; True if it was created.
+
+        Atomic, so two coordinators starting together create it once and a restarted one
+        never refills an envelope the night has been spending.
+        """
+        _check_units("n", n, minimum=0)
+        args = (*self._keys, *self._context, n, "", "", "1")
+        return self._run(self._reset, "reset", 3, args, refuse=False).allowed
+
     def snapshot(self) -> EnvelopeState:
         """The current state (all zero for an envelope that was never reset)."""
         return self._run(self._status, "status", 2, self._keys[:2], refuse=False).state

@@ -3,8 +3,9 @@
 -- A corrupt record is replaced.
 -- KEYS[1] envelope hash   KEYS[2] reservations zset   KEYS[3] receipt stream
 -- ARGV[1] receipt context (JSON)  ARGV[2] n (>= 0)  ARGV[3] max_model ('' = no cap)
--- ARGV[4] max_tool ('' = no cap)
--- Returns '0|1|ok|<state>||' or '0|0|bad-units' (nothing changed).
+-- ARGV[4] max_tool ('' = no cap)  ARGV[5] '1' = only if the envelope does not exist yet
+-- Returns '0|1|ok|<state>||', '0|0|bad-units' or '0|0|exists' (nothing changed).
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return '0|0|exists' end
 local n = tonumber(ARGV[2])
 if bad_units(n, 0) then return '0|0|bad-units' end
 for i = 3, 4 do
