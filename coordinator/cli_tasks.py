@@ -294,27 +294,12 @@ def receipts_command(task_id: str | None, follow: bool) -> None:
 def report_command(plain: bool) -> None:
     """The morning view: one line per task with state, calls, turns, time, last verdict."""
     from config.context import redis_client, settings
-    from coordinator.report import render_plain, render_rich
+    from coordinator.report import envelope_lines, render_plain, render_rich
 
     store = _store()
     records = store.all()
-    footer = _envelope_lines(redis_client(), settings().namespace, records)
+    footer = envelope_lines(redis_client(), settings().namespace, records)
     if plain or not sys.stdout.isatty():
         render_plain(records, sys.stdout, footer)
     else:
         render_rich(records, footer)
-
-
-def _envelope_lines(client: object, namespace: str, records: list[TaskRecord]) -> list[str]:
-    try:
-        from worker.envelope import CallEnvelope
-    except ImportError:
-        return []
-    lines = []
-    for name in sorted({rec.spec.envelope for rec in records}):
-        state = CallEnvelope(client, name, namespace).snapshot()  # type: ignore[arg-type]
-        lines.append(
-            f"envelope {name}: remaining {state.remaining} "
-            f"(consumed model {state.consumed_model}, tool {state.consumed_tool})"
-        )
-    return lines

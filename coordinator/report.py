@@ -104,6 +104,20 @@ def summary(records: list[TaskRecord]) -> str:
     return f"{len(records)} tasks: " + (", ".join(parts) if parts else "none")
 
 
+def envelope_lines(client: Any, namespace: str, records: list[TaskRecord]) -> list[str]:
+    """One line per envelope the tasks draw from: what is left and what was spent."""
+    from worker.envelope import CallEnvelope
+
+    lines = []
+    for name in sorted({rec.spec.envelope for rec in records}):
+        state = CallEnvelope(client, name, namespace).snapshot()
+        lines.append(
+            f"envelope {name}: remaining {state.remaining} "
+            f"(consumed model {state.consumed_model}, tool {state.consumed_tool})"
+        )
+    return lines
+
+
 def render_plain(records: list[TaskRecord], out: TextIO, footer: list[str]) -> None:
     """Aligned plain text, one line per task (for pipes and logs)."""
     table = [COLUMNS, *rows(records)]

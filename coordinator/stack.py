@@ -1,9 +1,10 @@
 """The processes ``overnight up`` runs on one machine, started in order and stopped in reverse.
 
 Every process the stack starts carries ``OVERNIGHT_UP_ID`` in its environment, and so does
-everything they start (workers, work horses, supervised steps). Stopping ends the workers
-gently first (so supervisors end their own leases), then the reaper, then sweeps the
-process table for anything still tagged, and last stops the embedded Redis.
+everything they start (workers, work horses, supervised steps). Stopping sends SIGTERM to
+the workers first (idle ones exit; a busy one is SIGKILLed after the grace, its horse dies
+with it and the step's lease is left to lapse and be reaped), then stops the reaper, then
+sweeps the process table for anything still tagged, and last stops the embedded Redis.
 """
 
 from __future__ import annotations
@@ -53,15 +54,13 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def _reap_children() -> None:
-    """Collect exited children (the stack is a subreaper, so orphans land here)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+def _children() -> set[int]:
+    """PIDs of this process's children, adopted orphans included."""
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
+            pids.update(int(p) for p in fh.read().split())
+    return pids
 
 
 @dataclass
@@ -102,6 +101,16 @@ class Stack:
         log.info("started %s (pid %d)", name, proc.pid)
         return proc
 
+    def reap_orphans(self) -> None:
+        """Collect exited orphans re-parented to us (``up`` is a subreaper), never a member:
+        their exit statuses belong to their Popen objects."""
+        members = {proc.pid for _, proc in self.procs}
+        if self.redis is not None and self.redis.proc is not None:
+            members.add(self.redis.proc.pid)
+        for pid in _children() - members:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
     def dead_members(self) -> list[str]:
         """Names of member processes that exited on their own."""
         return [name for name, proc in self.procs if proc.poll() is not None]
@@ -140,5 +149,5 @@ class Stack:
                 _signal(pid, signal.SIGKILL)
             killed.extend(pids)
             time.sleep(0.05)
-            _reap_children()
+            self.reap_orphans()
         return sorted(set(killed))

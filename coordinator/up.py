@@ -18,6 +18,7 @@ from config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
 from config.keys import Keys
 from coordinator.progress import PlainProgress, TaskRow, table
 from coordinator.stack import Stack, overnight_argv
+from worker.tree import set_child_subreaper
 
 if TYPE_CHECKING:
     import redis
@@ -163,7 +164,9 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     os.environ.update(opts.env)
     settings = load_settings()
     lock = _lock_state_dir(opts.state_dir)
-    stack = Stack(env={**os.environ, **opts.env}, state_dir=opts.state_dir, grace=settings.grace)
+    # Orphans of what the stack starts are re-parented here, so the final sweep reaps them.
+    set_child_subreaper()
+    stack = Stack(env=dict(os.environ), state_dir=opts.state_dir, grace=settings.grace)
     try:
         if opts.embedded or (
             "redis_url" not in settings.model_fields_set and not _reachable(settings.redis_url)
@@ -194,9 +197,8 @@ def _run(
     out: TextIO,
 ) -> UpResult:
     from coordinator.control import ensure_envelope, submit_folders
-    from coordinator.report import render_plain
+    from coordinator.report import envelope_lines, render_plain
     from coordinator.taskstore import PAUSED, TERMINAL, TaskStore
-    from worker.envelope import CallEnvelope
 
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
@@ -231,12 +233,7 @@ def _run(
         store = TaskStore(client, keys)
         _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, me, out)
         records = [r for r in (store.get(i) for i in ids) if r is not None]
-        env = CallEnvelope(client, "default", keys.namespace).snapshot()
-        footer = [
-            f"envelope default: remaining {env.remaining} (consumed model "
-            f"{env.consumed_model}, tool {env.consumed_tool})"
-        ]
-        render_plain(records, out, footer)
+        render_plain(records, out, envelope_lines(client, keys.namespace, records))
         states = {r.id: r.state for r in records}
         if stopper.signum:
             return UpResult(128 + stopper.signum, states)
@@ -285,6 +282,7 @@ def _watch(
                 next_maintain = now + MAINTAIN_SEC
                 for line in maintain(client, rq_conn, settings):
                     log.info("coordinator: %s", line)
+            stack.reap_orphans()
             for name in stack.dead_members():
                 if name not in warned:
                     warned.add(name)
