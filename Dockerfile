@@ -6,7 +6,7 @@ COPY pyproject.toml README.md ./
 COPY config ./config
 COPY coordinator ./coordinator
 COPY worker ./worker
-COPY tasks ./tasks
+COPY overnight ./overnight
 RUN pip install .
 WORKDIR /tasks
 CMD ["overnight", "--help"]

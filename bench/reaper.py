@@ -22,10 +22,10 @@ from pathlib import Path
 
 import redis
 
-from config.keys import Keys
-from coordinator.embedded_redis import EmbeddedRedis
-from worker import procs
-from worker.reaper import reap_once
+from overnight.config.keys import Keys
+from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.worker import procs
+from overnight.worker.reaper import reap_once
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 # A chatty child that outlives its supervisor's pipe (SIGPIPE ignored) and a setsid'd grandchild.

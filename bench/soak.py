@@ -38,12 +38,12 @@ from typing import TextIO
 
 import redis
 
-from config.keys import Keys
-from coordinator.embedded_redis import EmbeddedRedis
-from coordinator.taskstore import PAUSED, TERMINAL
-from worker import tree
-from worker.envelope import CallEnvelope, EnvelopeEmpty
-from worker.reaper import lease_tag
+from overnight.config.keys import Keys
+from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.taskstore import PAUSED, TERMINAL
+from overnight.worker import tree
+from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.reaper import lease_tag
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 PY = sys.executable

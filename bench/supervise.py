@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.embedded_redis import EmbeddedRedis
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 # Beats once (its first output line), then stays silent; notes when SIGTERM arrives.

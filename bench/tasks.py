@@ -75,11 +75,11 @@ def run_plain(url: str, n: int, workers: int, env: dict[str, str]) -> float:
 def run_overnight(url: str, n: int, workers: int, env: dict[str, str], workdir: Path) -> float:
     import redis
 
-    from config.keys import Keys
-    from coordinator.dispatch import enqueue
-    from coordinator.taskfile import Rule, TaskSpec
-    from coordinator.taskstore import TaskStore
-    from worker.envelope import CallEnvelope
+    from overnight.config.keys import Keys
+    from overnight.coordinator.dispatch import enqueue
+    from overnight.coordinator.taskfile import Rule, TaskSpec
+    from overnight.coordinator.taskstore import TaskStore
+    from overnight.worker.envelope import CallEnvelope
 
     namespace = env["OVERNIGHT_NAMESPACE"]
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternate runs; best of each")
     args = parser.parse_args(argv)
 
-    from coordinator.embedded_redis import EmbeddedRedis
+    from overnight.coordinator.embedded_redis import EmbeddedRedis
 
     with (
         tempfile.TemporaryDirectory(prefix="overnight-bench-") as tmp,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import redis
 
-    from config.settings import Settings
+    from overnight.config.settings import Settings
 
 
 def connect(

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import redis
 
-    from config.settings import Settings
+    from overnight.config.settings import Settings
 
 
 @cache
 def settings() -> Settings:
     """Settings from the environment; raises ``ConfigError`` (exit 78) on a bad value."""
-    from config.settings import load_settings
+    from overnight.config.settings import load_settings
 
     return load_settings()
 
@@ -22,7 +22,7 @@ def settings() -> Settings:
 @cache
 def redis_client() -> redis.Redis:
     """A text client (``decode_responses=True``) for overnight's own keys."""
-    from config.connection import connect
+    from overnight.config.connection import connect
 
     return connect(settings())
 
@@ -30,6 +30,6 @@ def redis_client() -> redis.Redis:
 @cache
 def rq_connection() -> redis.Redis:
     """A bytes client, as RQ requires."""
-    from config.connection import connect
+    from overnight.config.connection import connect
 
     return connect(settings(), decode_responses=False)

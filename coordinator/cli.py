@@ -10,7 +10,7 @@ import sys
 
 if sys.argv[1:2] == ["supervise"]:
     # Before the imports below: a SIGTERM during start-up must be forwarded, not fatal.
-    from worker import early_signals
+    from overnight.worker import early_signals
 
     early_signals.install()
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from config.exits import (
+from overnight.config.exits import (
     EXIT_BAD_CONFIG,
     EXIT_INTERNAL,
     EXIT_REDIS_DOWN,
@@ -30,7 +30,8 @@ from config.exits import (
     CommandError,
 )
 
-# command name -> "module:attribute" of a click command; help text shown in the listing.
+# command name -> "module:attribute" (under ``overnight.``) of a click command; help text shown
+# in the listing.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("coordinator.cli:config_command", "Print the effective settings as JSON."),
     "supervise": ("worker.cli_lease:supervise_command", "Run one command under one lease."),
@@ -52,7 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _available(name: str) -> bool:
     module = COMMANDS[name][0].split(":")[0]
-    return importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(f"overnight.{module}") is not None
 
 
 class LazyGroup(click.Group):
@@ -65,7 +66,7 @@ class LazyGroup(click.Group):
         if cmd_name not in COMMANDS or not _available(cmd_name):
             return None
         module_name, attr = COMMANDS[cmd_name][0].split(":")
-        command = getattr(importlib.import_module(module_name), attr)
+        command = getattr(importlib.import_module(f"overnight.{module_name}"), attr)
         assert isinstance(command, click.Command)
         return command
 
@@ -96,7 +97,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.command("config")
 def config_command() -> None:
     """Print the effective settings as JSON (secrets masked)."""
-    from config.context import settings
+    from overnight.config.context import settings
 
     click.echo(json.dumps(settings().public_dict(), indent=2))
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             click.echo(f"overnight: {exc.message}", err=True)
         code = exc.exit_code
     except Exception as exc:
-        from config.settings import ConfigError
+        from overnight.config.settings import ConfigError
 
         if isinstance(exc, ConfigError):
             click.echo(f"overnight: bad configuration: {exc}", err=True)

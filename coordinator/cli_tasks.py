@@ -13,22 +13,23 @@ from typing import TYPE_CHECKING
 
 import click
 
-from config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.spawn import overnight_argv
 
 if TYPE_CHECKING:
-    from coordinator.taskstore import TaskRecord, TaskStore
+    from overnight.coordinator.taskstore import TaskRecord, TaskStore
 
 
 def _store() -> TaskStore:
-    from config.context import redis_client, settings
-    from config.keys import Keys
-    from coordinator.taskstore import TaskStore
+    from overnight.config.context import redis_client, settings
+    from overnight.config.keys import Keys
+    from overnight.coordinator.taskstore import TaskStore
 
     return TaskStore(redis_client(), Keys(settings().namespace))
 
 
 def _record(store: TaskStore, task_id: str) -> TaskRecord:
-    from coordinator.taskstore import TaskCorrupt
+    from overnight.coordinator.taskstore import TaskCorrupt
 
     try:
         rec = store.get(task_id)
@@ -40,7 +41,7 @@ def _record(store: TaskStore, task_id: str) -> TaskRecord:
 
 
 def _status_json(store: TaskStore, rec: TaskRecord) -> str:
-    from coordinator.report import status_dict
+    from overnight.coordinator.report import status_dict
 
     return json.dumps(status_dict(rec, store.claim_alive(rec.id)), indent=2)
 
@@ -60,11 +61,11 @@ def submit_command(
     Prints one task id per line. With --wait, waits for the tasks to end and exits 0
     only if every one is finished_verified (else 2).
     """
-    from config.context import rq_connection, settings
-    from config.settings import NAME_RE
-    from coordinator.dispatch import enqueue
-    from coordinator.taskfile import TaskFileError, load_all
-    from coordinator.taskstore import TaskIdTaken
+    from overnight.config.context import rq_connection, settings
+    from overnight.config.settings import NAME_RE
+    from overnight.coordinator.dispatch import enqueue
+    from overnight.coordinator.taskfile import TaskFileError, load_all
+    from overnight.coordinator.taskstore import TaskIdTaken
 
     queue = queue or settings().queue
     if not NAME_RE.match(queue):
@@ -97,7 +98,7 @@ def submit_command(
 
 
 def _wait(ids: list[str], store: TaskStore, timeout: float | None) -> int:
-    from coordinator.taskstore import PAUSED, TERMINAL
+    from overnight.coordinator.taskstore import PAUSED, TERMINAL
 
     end = None if timeout is None else time.monotonic() + timeout
     pending = set(ids)
@@ -149,9 +150,9 @@ def worker_command(
 
     import redis
 
-    from config.context import rq_connection, settings
-    from config.settings import NAME_RE
-    from coordinator.dispatch import OvernightWorker
+    from overnight.config.context import rq_connection, settings
+    from overnight.config.settings import NAME_RE
+    from overnight.coordinator.dispatch import OvernightWorker
 
     names = [q for item in queues for q in item.split(",") if q] or [settings().queue]
     for q in names:
@@ -193,7 +194,7 @@ def _start_reaper() -> subprocess.Popen[bytes]:
         ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
     return subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "reaper"],
+        overnight_argv("reaper"),
         stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent,
     )
@@ -206,7 +207,7 @@ def status_command(task_id: str | None) -> None:
 
     With no TASK, prints a JSON array with every task of the namespace.
     """
-    from coordinator.report import status_dict
+    from overnight.coordinator.report import status_dict
 
     store = _store()
     if task_id is not None:
@@ -227,9 +228,9 @@ def reconcile_command(task_id: str, action: str | None) -> None:
     continues from the checkpoint; --abort ends the task as aborted (also a queued or
     running one). Prints the task's status JSON.
     """
-    from config.context import redis_client, rq_connection, settings
-    from coordinator.dispatch import enqueue, recover
-    from coordinator.taskstore import PAUSED
+    from overnight.config.context import redis_client, rq_connection, settings
+    from overnight.coordinator.dispatch import enqueue, recover
+    from overnight.coordinator.taskstore import PAUSED
 
     if action is None:
         raise click.UsageError("say --resume or --abort")
@@ -258,7 +259,7 @@ def _cancel_job(rec: TaskRecord) -> None:
     from rq.exceptions import InvalidJobOperation, NoSuchJobError
     from rq.job import Job, JobStatus
 
-    from config.context import rq_connection
+    from overnight.config.context import rq_connection
 
     try:
         job = Job.fetch(rec.job_id(), connection=rq_connection())
@@ -276,9 +277,9 @@ def receipts_command(task_id: str | None, follow: bool) -> None:
 
     With TASK, only that task's. With --follow, waits for new ones until interrupted.
     """
-    from config.context import redis_client, settings
-    from config.keys import Keys
-    from worker import receipts
+    from overnight.config.context import redis_client, settings
+    from overnight.config.keys import Keys
+    from overnight.worker import receipts
 
     client, keys = redis_client(), Keys(settings().namespace)
     if follow:
@@ -293,8 +294,8 @@ def receipts_command(task_id: str | None, follow: bool) -> None:
 @click.option("--plain", is_flag=True, help="Plain text even on a terminal.")
 def report_command(plain: bool) -> None:
     """The morning view: one line per task with state, calls, turns, time, last verdict."""
-    from config.context import redis_client, settings
-    from coordinator.report import envelope_lines, render_plain, render_rich
+    from overnight.config.context import redis_client, settings
+    from overnight.coordinator.report import envelope_lines, render_plain, render_rich
 
     store = _store()
     records = store.all()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from config.exits import EXIT_USAGE, CommandError
+from overnight.config.exits import EXIT_USAGE, CommandError
 
 
 @click.command("up")
@@ -61,7 +61,7 @@ def up_command(
     everything it started and leaves no process behind. A second `up` on the same
     namespace (or the same --state-dir) refuses to start (exit 2).
     """
-    from coordinator.up import UpOptions, run_up
+    from overnight.coordinator.up import UpOptions, run_up
 
     opts = UpOptions(
         workers=workers,
@@ -97,7 +97,7 @@ def demo_command(workers: int, state_dir: Path) -> None:
     its heartbeat gap; one halted when the shared envelope runs dry. Then prints the
     report. Exits 0 if every task ended as it is meant to.
     """
-    from coordinator.demo import run_demo
+    from overnight.coordinator.demo import run_demo
 
     sys.exit(run_demo(workers, state_dir))
 
@@ -134,7 +134,7 @@ def coordinator_command(
     every --interval: ends leases of hosts whose reaper is gone and recovers tasks whose
     worker died or whose deadline passed. SIGTERM exits 0.
     """
-    from coordinator.control import run_coordinator
+    from overnight.coordinator.control import run_coordinator
 
     for folder in tasks:
         if not folder.exists():

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from config.keys import Keys
+from overnight.config.keys import Keys
 
 if TYPE_CHECKING:
     import redis
 
-    from config.settings import Settings
-    from coordinator.taskstore import TaskRecord
+    from overnight.config.settings import Settings
+    from overnight.coordinator.taskstore import TaskRecord
 
 log = logging.getLogger("overnight.coordinator")
 TASK_SUFFIXES = (".toml", ".json")
@@ -29,7 +29,7 @@ def ensure_envelope(client: redis.Redis, keys: Keys, budget: int, name: str = "d
     An existing envelope is never refilled: a restarted coordinator must not hand the
     night a second budget.
     """
-    from worker.envelope import CallEnvelope
+    from overnight.worker.envelope import CallEnvelope
 
     if not CallEnvelope(client, name, keys.namespace).create(budget):
         return False
@@ -70,9 +70,9 @@ def submit_folders(
     (``problems`` says why). Tasks whose id the namespace already knows, in any state, are
     skipped, so a restarted coordinator does not run finished tasks again.
     """
-    from coordinator.dispatch import enqueue
-    from coordinator.taskfile import TaskFileError, load_all
-    from coordinator.taskstore import TaskStore
+    from overnight.coordinator.dispatch import enqueue
+    from overnight.coordinator.taskfile import TaskFileError, load_all
+    from overnight.coordinator.taskstore import TaskStore
 
     files = [f for folder in folders for f in task_files(folder)]
     out = Submitted()
@@ -100,8 +100,8 @@ def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> l
     Ends leases of hosts whose reaper is gone (``reaped: host-lost``) and recovers tasks
     whose worker died or whose own deadline passed.
     """
-    from coordinator.dispatch import recover
-    from worker.reaper import reap_once
+    from overnight.coordinator.dispatch import recover
+    from overnight.worker.reaper import reap_once
 
     keys = Keys(settings.namespace)
     report = reap_once(client, keys, grace=settings.grace, host_ttl=None)
@@ -120,9 +120,9 @@ def run_coordinator(
 
     import redis as redis_mod
 
-    from config.connection import connect
-    from config.context import settings as current
-    from coordinator.taskstore import PAUSED, TERMINAL, TaskStore
+    from overnight.config.connection import connect
+    from overnight.config.context import settings as current
+    from overnight.coordinator.taskstore import PAUSED, TERMINAL, TaskStore
 
     settings = current()
     logging.basicConfig(

@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from config.exits import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CommandError
-from coordinator.up import UpOptions, run_up
+from overnight.config.exits import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CommandError
+from overnight.coordinator.up import UpOptions, run_up
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "tasks"
+EXAMPLES = Path(__file__).resolve().parent / "examples"
 # What each example task is built to show; the demo checks that it did.
 EXPECTED = {
     "greeting": "finished_verified",
@@ -27,7 +27,7 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
     as it is meant to."""
     if not examples.is_dir():
         raise CommandError(
-            f"no example tasks at {examples}; run from a source checkout", EXIT_USAGE
+            f"no example tasks at {examples}: this installation is incomplete", EXIT_USAGE
         )
     run_dir = state_root / "demo" / time.strftime("%Y%m%d-%H%M%S")
     shutil.copytree(examples, run_dir / "tasks")

@@ -29,15 +29,21 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 # Imported here so a forked work horse finds them loaded and starts each task at once.
-from config.context import settings as current_settings
-from config.keys import Keys
-from coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop, lost_step_decision
-from coordinator.steps import StepRunner, supervised_runner
-from coordinator.taskstore import Runner, TaskCorrupt, TaskRecord, TaskStore
-from worker.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.config.context import settings as current_settings
+from overnight.config.keys import Keys
+from overnight.coordinator.loop import (
+    CallRefused,
+    Consume,
+    LoopConfig,
+    TaskLoop,
+    lost_step_decision,
+)
+from overnight.coordinator.steps import StepRunner, supervised_runner
+from overnight.coordinator.taskstore import Runner, TaskCorrupt, TaskRecord, TaskStore
+from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 
 if TYPE_CHECKING:
-    from config.settings import Settings
+    from overnight.config.settings import Settings
 
 log = logging.getLogger("overnight.dispatch")
 
@@ -153,7 +159,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
     if job is not None:
         client = text_client(job.connection)
     else:
-        from config.context import redis_client
+        from overnight.config.context import redis_client
 
         client = redis_client()
     keys = Keys(namespace)
@@ -256,10 +262,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 class OvernightWorker(Worker):
-    """An RQ worker for overnight tasks (``rq worker -w coordinator.dispatch.OvernightWorker``).
+    """An RQ worker for overnight tasks.
 
-    It runs :func:`recover` at start and every ``OVERNIGHT_RECOVERY_INTERVAL`` seconds
-    while idle, and its work horse dies with it.
+    ``rq worker -w overnight.coordinator.dispatch.OvernightWorker`` runs it too.
+
+        It runs :func:`recover` at start and every ``OVERNIGHT_RECOVERY_INTERVAL`` seconds
+        while idle, and its work horse dies with it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import threading
 import time
 import uuid
@@ -18,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.steps import StepOutcome, StepRequest, StepRunner
-from coordinator.taskfile import TaskSpec
-from coordinator.taskstore import (
+from overnight.config.spawn import python_module
+from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner
+from overnight.coordinator.taskfile import TaskSpec
+from overnight.coordinator.taskstore import (
     PAUSED,
     AgentResult,
     Checkpoint,
@@ -38,7 +38,7 @@ log = logging.getLogger("overnight.loop")
 
 STUCK_TURNS = 3
 MAX_PROMPT_ARG = 100_000  # bytes; Linux refuses a single argv/env string over 128 KiB
-MODEL_STEP = [sys.executable, "-m", "coordinator.model_step"]
+MODEL_STEP = python_module("overnight.coordinator.model_step")
 
 
 class CallRefused(Exception):

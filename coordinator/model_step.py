@@ -1,4 +1,6 @@
-"""The built-in model step (``python -m coordinator.model_step``), for tasks with no ``agent``.
+"""The built-in model step, for tasks with no ``agent``.
+
+Run as ``python -P -m overnight.coordinator.model_step``.
 
 It reads the turn's prompt from ``$OVERNIGHT_PROMPT_FILE`` (else ``$OVERNIGHT_PROMPT``),
 asks the OpenAI-compatible ``/v1/chat/completions`` endpoint at ``OVERNIGHT_MODEL_URL``
@@ -107,7 +109,7 @@ def _prompt() -> str:
 
 def main() -> int:
     """Run one model step; returns the exit code."""
-    from config.settings import ConfigError, load_settings, mask_url
+    from overnight.config.settings import ConfigError, load_settings, mask_url
 
     try:
         settings = load_settings()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, TextIO
 
-from coordinator.taskstore import TaskRecord
+from overnight.coordinator.taskstore import TaskRecord
 
 
 def elapsed(rec: TaskRecord, now: float | None = None) -> float:
@@ -106,7 +106,7 @@ def summary(records: list[TaskRecord]) -> str:
 
 def envelope_lines(client: Any, namespace: str, records: list[TaskRecord]) -> list[str]:
     """One line per envelope the tasks draw from: what is left and what was spent."""
-    from worker.envelope import CallEnvelope
+    from overnight.worker.envelope import CallEnvelope
 
     lines = []
     for name in sorted({rec.spec.envelope for rec in records}):

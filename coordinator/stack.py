@@ -14,21 +14,15 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger("overnight.up")
 UP_TAG = "OVERNIGHT_UP_ID"
-
-
-def overnight_argv(*args: str) -> list[str]:
-    """argv that runs this installation's ``overnight`` CLI."""
-    return [sys.executable, "-m", "coordinator", *args]
 
 
 def tagged_pids(var: str, value: str) -> list[int]:

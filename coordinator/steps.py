@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.supervisor import StepSpec, run_supervised
+from overnight.worker.supervisor import StepSpec, run_supervised
 
 if TYPE_CHECKING:
     import redis
 
-    from config.keys import Keys
+    from overnight.config.keys import Keys
 
 TAIL_LINES = 40
 TAIL_BYTES = 4000

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from config.keys import Keys
-from coordinator.taskfile import TaskSpec
-from worker.receipts import STREAM_MAXLEN, Receipt
+from overnight.config.keys import Keys
+from overnight.coordinator.taskfile import TaskSpec
+from overnight.worker.receipts import STREAM_MAXLEN, Receipt
 
 if TYPE_CHECKING:
     import redis
@@ -204,7 +204,7 @@ def receipt_body(task_id: str, lease_id: str | None = None, **data: Any) -> str:
 
 @cache
 def _source(name: str) -> str:
-    return resources.files("coordinator").joinpath("lua", f"{name}.lua").read_text()
+    return resources.files("overnight.coordinator").joinpath("lua", f"{name}.lua").read_text()
 
 
 _SCRIPTS = (

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
-from config.keys import Keys
-from coordinator.progress import PlainProgress, TaskRow, table
-from coordinator.stack import Stack, overnight_argv
-from worker.tree import set_child_subreaper
+from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.keys import Keys
+from overnight.config.spawn import overnight_argv
+from overnight.coordinator.progress import PlainProgress, TaskRow, table
+from overnight.coordinator.stack import Stack
+from overnight.worker.tree import set_child_subreaper
 
 if TYPE_CHECKING:
     import redis
 
-    from config.settings import Settings
-    from coordinator.taskstore import TaskRecord
+    from overnight.config.settings import Settings
+    from overnight.coordinator.taskstore import TaskRecord
 
 log = logging.getLogger("overnight.up")
 INSTANCE_TTL_MS = 15_000
@@ -114,7 +115,7 @@ def _release_instance(client: redis.Redis, keys: Keys, me: str) -> None:
 
 def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> list[TaskRow]:
     """Progress rows: each task with the age and last beat of its running lease."""
-    from worker.lease import Leases
+    from overnight.worker.lease import Leases
 
     secs, micros = client.time()
     now = int(secs) + int(micros) / 1e6
@@ -156,8 +157,8 @@ class UpResult:
 def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     """Run the stack until Ctrl-C/SIGTERM (or, with ``exit_when_done``, until every task of
     this run has ended or paused). Nothing it started outlives it."""
-    from config.connection import connect
-    from config.settings import load_settings
+    from overnight.config.connection import connect
+    from overnight.config.settings import load_settings
 
     stopper = StopRequested()
     stopper.install()
@@ -196,9 +197,9 @@ def _run(
     connect: Any,
     out: TextIO,
 ) -> UpResult:
-    from coordinator.control import ensure_envelope, submit_folders
-    from coordinator.report import envelope_lines, render_plain
-    from coordinator.taskstore import PAUSED, TERMINAL, TaskStore
+    from overnight.coordinator.control import ensure_envelope, submit_folders
+    from overnight.coordinator.report import envelope_lines, render_plain
+    from overnight.coordinator.taskstore import PAUSED, TERMINAL, TaskStore
 
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
@@ -259,9 +260,9 @@ def _watch(
     from rich.console import Console
     from rich.live import Live
 
-    from coordinator.control import maintain
-    from coordinator.taskstore import PAUSED, TERMINAL
-    from worker.envelope import CallEnvelope
+    from overnight.coordinator.control import maintain
+    from overnight.coordinator.taskstore import PAUSED, TERMINAL
+    from overnight.worker.envelope import CallEnvelope
 
     console = Console(file=out)
     envelope = CallEnvelope(client, "default", keys.namespace)

@@ -12,7 +12,11 @@ import fakeredis
 import pytest
 import redis
 
-from coordinator.embedded_redis import EmbeddedRedis, RedisBinaryMissing, find_redis_server
+from overnight.coordinator.embedded_redis import (
+    EmbeddedRedis,
+    RedisBinaryMissing,
+    find_redis_server,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))

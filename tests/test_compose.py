@@ -22,8 +22,8 @@ import redis
 import yaml
 from compose_spec import PyCompose
 
-from config.settings import Settings, env_name
-from coordinator.embedded_redis import free_port
+from overnight.config.settings import Settings, env_name
+from overnight.coordinator.embedded_redis import free_port
 from tests.conftest import OVERNIGHT
 from tests.helpers import wait_for
 
@@ -113,7 +113,7 @@ def test_compose_topology_runs_the_example_tasks(tmp_path: Path) -> None:
     """Every service's own command, with its own environment, as local processes."""
     services = load()["services"]
     tasks = tmp_path / "tasks"
-    shutil.copytree(ROOT / "tasks", tasks)
+    shutil.copytree(ROOT / "coordinator" / "examples", tasks)
     port = free_port()
     namespace = f"compose-{os.getpid()}"
     # What a user's .env would say: the Redis address on this machine and a small budget.

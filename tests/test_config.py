@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from config.settings import ConfigError, load_settings
+from overnight.config.settings import ConfigError, load_settings
 from tests.conftest import OVERNIGHT
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from config.keys import Keys
-from config.settings import load_settings
-from coordinator.control import ensure_envelope, submit_folders, task_files
+from overnight.config.keys import Keys
+from overnight.config.settings import load_settings
+from overnight.coordinator.control import ensure_envelope, submit_folders, task_files
+from overnight.worker.envelope import CallEnvelope
 from tests.conftest import ROOT
-from worker.envelope import CallEnvelope
 
 
 @pytest.fixture(params=["fake", "real"])
@@ -52,7 +52,7 @@ def test_task_files_skip_hidden_folders(tmp_path: Path) -> None:
 def test_submit_folders_enqueues_new_ids_only(
     env: dict[str, str], r: redis.Redis, tmp_path: Path, namespace: str
 ) -> None:
-    shutil.copytree(ROOT / "tasks", tmp_path / "tasks")
+    shutil.copytree(ROOT / "coordinator" / "examples", tmp_path / "tasks")
     settings = load_settings(queue=namespace)
     rq = redis.Redis.from_url(settings.redis_url)
     first = submit_folders(r, rq, settings, [tmp_path / "tasks"])
@@ -68,7 +68,7 @@ def test_submit_folders_enqueues_new_ids_only(
 def test_one_bad_file_and_nothing_is_submitted(
     env: dict[str, str], r: redis.Redis, tmp_path: Path, namespace: str
 ) -> None:
-    shutil.copytree(ROOT / "tasks", tmp_path / "tasks")
+    shutil.copytree(ROOT / "coordinator" / "examples", tmp_path / "tasks")
     (tmp_path / "tasks" / "zz-bad.toml").write_text('assignment = "x"\nmax_calls = 0\n')
     settings = load_settings(queue=namespace)
     rq = redis.Redis.from_url(settings.redis_url)

@@ -11,17 +11,17 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.embedded_redis import EmbeddedRedis, free_port
-from worker.envelope import (
+from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
+from overnight.worker.envelope import (
     CallEnvelope,
     EnvelopeEmpty,
     EnvelopeRefused,
     EnvelopeUnavailable,
     ReservationLost,
 )
-from worker.guards import Step, demo_steps, gated, reserving, run_agent_loop
-from worker.receipts import read
-from worker.scripts import source
+from overnight.worker.guards import Step, demo_steps, gated, reserving, run_agent_loop
+from overnight.worker.receipts import read
+from overnight.worker.scripts import source
 
 from .helpers import wait_for
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import redis
 
-from coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.worker.envelope import CallEnvelope, EnvelopeUnavailable
 from tests.conftest import OVERNIGHT, ROOT
-from worker.envelope import CallEnvelope, EnvelopeUnavailable
 
 from .helpers import wait_for
 
@@ -27,7 +27,7 @@ REFUSED_MODEL = {
 # consumes that attempt and then hangs without printing: Redis answered, the worker died.
 CHILD = """
 import signal, sys, redis
-from worker.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 url, ns, tag, attempts, stall, go = sys.argv[1:7]
 client = redis.Redis.from_url(url)
 env = CallEnvelope(client, "shared", ns)

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import redis
 
-from config.keys import Keys
+from overnight.config.keys import Keys
+from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
+from overnight.worker.lease import LeaseRefused, Leases
+from overnight.worker.supervisor import StepSpec, run_supervised
 from tests.conftest import OVERNIGHT
 from tests.helpers import pid_alive, wait_for
 from tests.test_supervise import assert_all_gone, final_doc, read_pids, start
-from worker.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
-from worker.lease import LeaseRefused, Leases
-from worker.supervisor import StepSpec, run_supervised
 
 PY = sys.executable
 

@@ -8,10 +8,9 @@ import os
 import pytest
 import redis
 
-from config.keys import Keys
-from tests.helpers import wait_for
-from worker import receipts
-from worker.lease import (
+from overnight.config.keys import Keys
+from overnight.worker import receipts
+from overnight.worker.lease import (
     CONTRACT_FIELDS,
     STREAM_MAXLEN,
     LeaseCorrupt,
@@ -22,6 +21,7 @@ from worker.lease import (
     lapsed_reason,
     status_for,
 )
+from tests.helpers import wait_for
 
 
 @pytest.fixture(params=["fake", "real"])

@@ -11,11 +11,11 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from config.keys import Keys
-from config.settings import ConfigError, Settings, load_settings
+from overnight.config.keys import Keys
+from overnight.config.settings import ConfigError, Settings, load_settings
+from overnight.worker.cli_lease import SETTINGS_FIELDS, QuickSettings, _fast, quick_settings
+from overnight.worker.lease import Leases
 from tests.conftest import OVERNIGHT
-from worker.cli_lease import SETTINGS_FIELDS, QuickSettings, _fast, quick_settings
-from worker.lease import Leases
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -49,7 +49,7 @@ def test_beat_renews_refuses_stale_and_ended(env: dict[str, str], leases: Leases
 
 
 def test_beat_with_redis_down_exits_69(env: dict[str, str]) -> None:
-    from coordinator.embedded_redis import free_port
+    from overnight.coordinator.embedded_redis import free_port
 
     down = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
             "OVERNIGHT_LEASE_ID": "x", "OVERNIGHT_LEASE_TOKEN": "1"}  # fmt: skip
@@ -151,7 +151,7 @@ def test_a_dotenv_file_defers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_quick_settings_reports_bad_values_like_the_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from config import context
+    from overnight.config import context
 
     context.settings.cache_clear()
     monkeypatch.setenv("OVERNIGHT_HEARTBEAT_GAP", "-2")

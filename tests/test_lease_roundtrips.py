@@ -8,9 +8,9 @@ import fakeredis
 import pytest
 import redis
 
-from config.keys import Keys
-from coordinator.embedded_redis import EmbeddedRedis
-from worker.lease import LeaseRefused, Leases
+from overnight.config.keys import Keys
+from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.worker.lease import LeaseRefused, Leases
 
 
 @pytest.fixture(params=["fake", "real", "real-bytes"])

@@ -76,7 +76,7 @@ def run_step(
     env: dict[str, str], cwd: Path, timeout: float = 20
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.model_step"],
+        [sys.executable, "-P", "-m", "overnight.coordinator.model_step"],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -20,12 +20,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from config import context
-from config.keys import Keys
-from coordinator.taskfile import TaskFileError, load, load_all
+from overnight.config import context
+from overnight.config.keys import Keys
+from overnight.coordinator.taskfile import TaskFileError, load, load_all
+from overnight.worker.envelope import CallEnvelope
+from overnight.worker.lease import Leases
 from tests.conftest import OVERNIGHT
-from worker.envelope import CallEnvelope
-from worker.lease import Leases
 
 PY = sys.executable
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -72,7 +72,7 @@ ARGS = NASTY | st.text(SAFE_TEXT, max_size=40)
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """``overnight ARGS`` in this process, with fresh settings and clients each time."""
-    from coordinator.cli import main
+    from overnight.coordinator.cli import main
 
     context.settings.cache_clear()
     context.redis_client.cache_clear()
@@ -304,7 +304,7 @@ ENV_VALUES = (
 
 
 def test_every_setting_is_covered() -> None:
-    from config.settings import Settings, env_name
+    from overnight.config.settings import Settings, env_name
 
     named = {env_name(f).split(" ")[0] for f in Settings.model_fields}
     assert named == set(SETTINGS_VARS) - {"MODEL_URL"}
@@ -352,7 +352,7 @@ def test_any_environment_value_is_exit_0_or_one_line_78(
 def test_supervise_fast_path_gives_the_same_one_line_78(
     tmp_path: Path, var: str, value: str
 ) -> None:
-    from config.settings import ConfigError, load_settings
+    from overnight.config.settings import ConfigError, load_settings
 
     try:
         load_settings(**{var.removeprefix("OVERNIGHT_").lower(): value})

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from config.keys import Keys
+from overnight.config.keys import Keys
+from overnight.worker import pulse
+from overnight.worker.lease import LeaseDoc, LeaseRefused, Leases
 from tests.helpers import wait_for
-from worker import pulse
-from worker.lease import LeaseDoc, LeaseRefused, Leases
 
 
 @pytest.fixture

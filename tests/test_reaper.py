@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from config.keys import Keys
+from overnight.config.keys import Keys
+from overnight.worker import procs
+from overnight.worker.lease import TERMINAL, LeaseDoc, LeaseRefused, Leases
+from overnight.worker.reaper import RECEIPT_KIND, lease_tag, reap_once
+from overnight.worker.receipts import read
+from overnight.worker.tree import TAG_VAR, scan
 from tests.conftest import OVERNIGHT
 from tests.helpers import kill_quietly, pid_alive, wait_for
-from worker import procs
-from worker.lease import TERMINAL, LeaseDoc, LeaseRefused, Leases
-from worker.reaper import RECEIPT_KIND, lease_tag, reap_once
-from worker.receipts import read
-from worker.tree import TAG_VAR, scan
 
 ENDINGS = ("lease_ended", RECEIPT_KIND)
 
@@ -265,7 +265,7 @@ def test_once_exits_zero_and_keeps_a_host_key(
 
 
 def test_redis_unreachable_at_start_is_exit_69_in_one_line(env: dict[str, str]) -> None:
-    from coordinator.embedded_redis import free_port
+    from overnight.coordinator.embedded_redis import free_port
 
     bad = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     done = subprocess.run(
@@ -383,7 +383,7 @@ def test_sigkilled_supervisor_leaves_nothing_behind(
 def test_reaper_survives_a_redis_outage(
     redis_factory: Callable[..., object], tmp_path: Path, env: dict[str, str], namespace: str
 ) -> None:
-    from coordinator.embedded_redis import EmbeddedRedis
+    from overnight.coordinator.embedded_redis import EmbeddedRedis
 
     server = redis_factory()
     assert isinstance(server, EmbeddedRedis)

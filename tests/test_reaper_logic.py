@@ -10,13 +10,13 @@ import time
 import fakeredis
 import pytest
 
-from config.keys import Keys
+from overnight.config.keys import Keys
+from overnight.worker import procs
+from overnight.worker.lease import LeaseDoc, Leases
+from overnight.worker.reaper import RECEIPT_KIND, Facts, decide, lease_tag, reap_once
+from overnight.worker.receipts import read
+from overnight.worker.tree import TAG_VAR
 from tests.helpers import wait_for
-from worker import procs
-from worker.lease import LeaseDoc, Leases
-from worker.reaper import RECEIPT_KIND, Facts, decide, lease_tag, reap_once
-from worker.receipts import read
-from worker.tree import TAG_VAR
 
 HOST = "here"
 BOOT = "boot-1"
@@ -218,7 +218,7 @@ def test_run_keeps_going_after_a_failed_pass(
 ) -> None:
     import redis
 
-    from worker import reaper
+    from overnight.worker import reaper
 
     stop = threading.Event()
     calls: list[int] = []

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import redis
 
-from config.keys import Keys
-from coordinator.embedded_redis import EmbeddedRedis, free_port
+from overnight.config.keys import Keys
+from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
+from overnight.worker.envelope import CallEnvelope
+from overnight.worker.lease import LeaseRefused, Leases
 from tests.conftest import OVERNIGHT
 from tests.test_task_rq import task_file
-from worker.envelope import CallEnvelope
-from worker.lease import LeaseRefused, Leases
 
 PY = sys.executable
 # The agent beats through the CLI and spends from the envelope itself: both must work
@@ -186,8 +186,8 @@ def test_namespace_a_cannot_read_beat_end_or_spend_anything_of_b(
 CHILD = """
 import json, os, sys
 import redis
-from config.keys import Keys
-from worker.lease import LeaseRefused, Leases
+from overnight.config.keys import Keys
+from overnight.worker.lease import LeaseRefused, Leases
 own, token = os.environ["OVERNIGHT_LEASE_ID"], int(os.environ["OVERNIGHT_LEASE_TOKEN"])
 other, other_token = sys.argv[1], int(sys.argv[2])
 leases = Leases(redis.Redis.from_url(os.environ["OVERNIGHT_REDIS_URL"], decode_responses=True),

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import textwrap
 
-from worker import tree
+from overnight.worker import tree
 
 PY = sys.executable
 
 PRELUDE = """
 import os, subprocess, sys, time
-from worker import tree
+from overnight.worker import tree
 
 def spawn(argv):
     proc = subprocess.Popen(argv, start_new_session=True)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from config.keys import Keys
-from coordinator.embedded_redis import EmbeddedRedis, free_port
+from overnight.config.keys import Keys
+from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
+from overnight.worker import tree
+from overnight.worker.lease import LeaseDoc, LeaseRefused
+from overnight.worker.supervisor import StepSpec, SupervisedResult, run_supervised, url_of
 from tests.helpers import pid_alive
 from tests.test_supervise import assert_all_gone, read_pids
-from worker import tree
-from worker.lease import LeaseDoc, LeaseRefused
-from worker.supervisor import StepSpec, SupervisedResult, run_supervised, url_of
 
 PY = sys.executable
 

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from worker import outcome
+from overnight.worker import outcome
 
 
 @pytest.mark.parametrize(

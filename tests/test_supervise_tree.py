@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from overnight.worker import tree
 from tests.helpers import kill_quietly, pid_alive, wait_for
 from tests.test_supervise import assert_all_gone, final_doc, read_pids, start, supervise
-from worker import tree
 
 PY = sys.executable
 
@@ -228,7 +228,7 @@ def test_group_members_count_only_while_the_root_is_the_same_process() -> None:
 
 def test_subreaper_can_be_set_and_unset() -> None:
     script = (
-        "from worker.tree import set_child_subreaper as s, is_child_subreaper as i\n"
+        "from overnight.worker.tree import set_child_subreaper as s, is_child_subreaper as i\n"
         "print(i(), s(), s(), i(), s(False), i())"
     )
     code = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=30)

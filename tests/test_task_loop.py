@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from config.keys import Keys
-from coordinator.loop import (
+from overnight.config.keys import Keys
+from overnight.coordinator.loop import (
     CallRefused,
     LoopConfig,
     TaskLoop,
     build_prompt,
     lost_step_decision,
 )
-from coordinator.steps import StepOutcome, StepRequest, plain_runner
-from coordinator.taskfile import Rule, TaskSpec
-from coordinator.taskstore import PAUSED, Checkpoint, InFlight, Memory, Runner, TaskStore
-from worker import receipts
+from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
+from overnight.coordinator.taskfile import Rule, TaskSpec
+from overnight.coordinator.taskstore import PAUSED, Checkpoint, InFlight, Memory, Runner, TaskStore
+from overnight.worker import receipts
 
 PY = sys.executable
 

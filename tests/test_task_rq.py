@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from config.keys import Keys
+from overnight.config.keys import Keys
 from tests.conftest import OVERNIGHT
 from tests.helpers import kill_quietly, pid_alive, wait_for
 from tests.test_model_step import Model
@@ -317,7 +317,7 @@ def test_rq_info_and_rq_worker_class(
             "--url",
             url,
             "-w",
-            "coordinator.dispatch.OvernightWorker",
+            "overnight.coordinator.dispatch.OvernightWorker",
             queue,
         ],
         env=tenv,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import redis
 
-from config.keys import Keys
-from coordinator.taskfile import TaskFileError, load
+from overnight.config.keys import Keys
+from overnight.coordinator.taskfile import TaskFileError, load
 from tests.conftest import OVERNIGHT
 
 GOOD = """

@@ -43,7 +43,7 @@ def processes_with(var: str, value: str) -> list[int]:
 
 def copy_examples(tmp_path: Path) -> Path:
     dest = tmp_path / "tasks"
-    shutil.copytree(ROOT / "tasks", dest)
+    shutil.copytree(ROOT / "coordinator" / "examples", dest)
     return dest
 
 
@@ -130,7 +130,7 @@ def test_second_up_refuses_and_sigterm_stops_everything(
 
 def test_up_help_explains() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "up", "--help"],
+        [sys.executable, "-P", "-m", "overnight", "up", "--help"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -11,11 +11,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from worker import procs, tree
-from worker.output import Pipes
+from overnight.worker import procs, tree
+from overnight.worker.output import Pipes
 
 if TYPE_CHECKING:
-    from worker.signals import SignalCatcher
+    from overnight.worker.signals import SignalCatcher
 
 log = logging.getLogger("overnight.supervisor")
 

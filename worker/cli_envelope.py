@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 import click
 
 if TYPE_CHECKING:
-    from worker.envelope import CallEnvelope, EnvelopeState
+    from overnight.worker.envelope import CallEnvelope, EnvelopeState
 
 T = TypeVar("T")
 _NAME_HELP = "Envelope name (every process naming it shares one budget)."
@@ -38,8 +38,8 @@ def reset_command(n: int, max_model: int | None, max_tool: int | None, name: str
 @click.option("--name", default="default", show_default=True, help=_NAME_HELP)
 def status_command(name: str) -> None:
     """Print what is left and what was spent; exit 2 if the record is corrupt."""
-    from config.exits import EXIT_REFUSED, CommandError
-    from worker.envelope import EnvelopeEmpty
+    from overnight.config.exits import EXIT_REFUSED, CommandError
+    from overnight.worker.envelope import EnvelopeEmpty
 
     try:
         state = _call(name, lambda env: env.snapshot())
@@ -55,8 +55,8 @@ def status_command(name: str) -> None:
 @click.option("--name", default="default", show_default=True, help=_NAME_HELP)
 def consume_command(kind: str, request_id: str | None, dry_run: bool, name: str) -> None:
     """Take one KIND call from the envelope; exit 2 if refused."""
-    from config.exits import EXIT_REFUSED
-    from worker.envelope import EnvelopeEmpty
+    from overnight.config.exits import EXIT_REFUSED
+    from overnight.worker.envelope import EnvelopeEmpty
 
     if request_id is not None and not 1 <= len(request_id) <= 256:
         raise click.BadParameter("must be 1-256 characters", param_hint="--request-id")
@@ -73,7 +73,7 @@ def consume_command(kind: str, request_id: str | None, dry_run: bool, name: str)
 @click.option("--name", default="default", show_default=True, help=_NAME_HELP)
 def demo_command(budget: int, name: str) -> None:
     """Reset to BUDGET and run five planned steps until the envelope refuses."""
-    from worker.guards import demo_steps, run_agent_loop
+    from overnight.worker.guards import demo_steps, run_agent_loop
 
     def run(env: CallEnvelope) -> EnvelopeState | None:
         env.reset(budget)
@@ -87,8 +87,8 @@ def demo_command(budget: int, name: str) -> None:
 
 
 def _call(name: str, action: Callable[[CallEnvelope], T]) -> T:
-    from config.context import redis_client, settings
-    from worker.envelope import CallEnvelope, EnvelopeUnavailable
+    from overnight.config.context import redis_client, settings
+    from overnight.worker.envelope import CallEnvelope, EnvelopeUnavailable
 
     cfg = settings()
     try:
@@ -102,7 +102,7 @@ def _call(name: str, action: Callable[[CallEnvelope], T]) -> T:
 
 
 def _unreachable(detail: str) -> NoReturn:
-    from config.exits import EXIT_REDIS_DOWN, CommandError
+    from overnight.config.exits import EXIT_REDIS_DOWN, CommandError
 
     raise CommandError(f"Redis unreachable: {detail}", EXIT_REDIS_DOWN)
 

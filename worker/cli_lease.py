@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from config.exits import EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.exits import EXIT_REFUSED, EXIT_USAGE, CommandError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -92,7 +92,7 @@ def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
     fast = _fast(os.environ if environ is None else environ)
     if fast is not None:
         return fast
-    from config.context import settings
+    from overnight.config.context import settings
 
     s = settings()
     return QuickSettings(s.redis_url, s.namespace, s.heartbeat_gap, s.deadline, s.grace)
@@ -189,7 +189,7 @@ def supervise_command(
     beat_while_alive: bool,
     cmd: tuple[str, ...],
 ) -> None:  # fmt: skip
-    from worker import supervisor
+    from overnight.worker import supervisor
 
     # First, before any slow start-up: a SIGTERM from now on is kept and forwarded.
     catcher = supervisor.SignalCatcher.install()
@@ -213,9 +213,9 @@ def _supervise(
     beat_while_alive: bool,
     argv: list[str],
 ) -> int:  # fmt: skip
-    from config.keys import Keys
-    from worker import supervisor
-    from worker.lease import LeaseRefused
+    from overnight.config.keys import Keys
+    from overnight.worker import supervisor
+    from overnight.worker.lease import LeaseRefused
 
     assert isinstance(catcher, supervisor.SignalCatcher)
     s = quick_settings()
@@ -251,8 +251,8 @@ def beat_command(note: str | None) -> None:
     Exit: 0 renewed, 2 refused (stale token, lapsed or ended: the lease never comes
     back), 64 no lease in the environment, 69 Redis unreachable.
     """
-    from worker.lease import LeaseRefused
-    from worker.pulse import LeaseEnv, NoLease, beat
+    from overnight.worker.lease import LeaseRefused
+    from overnight.worker.pulse import LeaseEnv, NoLease, beat
 
     try:
         lease = LeaseEnv.from_env()
@@ -272,9 +272,9 @@ def lease_group() -> None:
 
 
 def _leases() -> object:
-    from config.context import redis_client, settings
-    from config.keys import Keys
-    from worker.lease import Leases
+    from overnight.config.context import redis_client, settings
+    from overnight.config.keys import Keys
+    from overnight.worker.lease import Leases
 
     return Leases(redis_client(), Keys(settings().namespace))
 
@@ -286,7 +286,7 @@ def lease_show(lease_id: str) -> None:
 
     Exit 64 if there is no such lease.
     """
-    from worker.lease import LeaseCorrupt, Leases
+    from overnight.worker.lease import LeaseCorrupt, Leases
 
     check_lease_id(lease_id)
     leases = _leases()
@@ -316,7 +316,7 @@ def lease_list(as_json: bool, limit: int, status: str | None) -> None:
     """
     from datetime import UTC, datetime
 
-    from worker.lease import Leases
+    from overnight.worker.lease import Leases
 
     leases = _leases()
     assert isinstance(leases, Leases)

@@ -10,7 +10,7 @@ from types import FrameType
 
 import click
 
-from config.exits import EXIT_REDIS_DOWN, CommandError
+from overnight.config.exits import EXIT_REDIS_DOWN, CommandError
 
 
 @click.command("reaper")
@@ -44,10 +44,10 @@ def reaper_command(
     """
     import redis
 
-    from config.context import redis_client, settings
-    from config.keys import Keys
-    from config.settings import mask_url
-    from worker import procs, reaper
+    from overnight.config.context import redis_client, settings
+    from overnight.config.keys import Keys
+    from overnight.config.settings import mask_url
+    from overnight.worker import procs, reaper
 
     cfg = settings()
     debug = bool((ctx.obj or {}).get("debug"))

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 import redis
 from pydantic import BaseModel, Field
 
-from config.keys import Keys
-from config.settings import NAME_RE
-from worker import procs
-from worker.receipts import STREAM_MAXLEN
-from worker.scripts import source
+from overnight.config.keys import Keys
+from overnight.config.settings import NAME_RE
+from overnight.worker import procs
+from overnight.worker.receipts import STREAM_MAXLEN
+from overnight.worker.scripts import source
 
 if TYPE_CHECKING:
     from redis.commands.core import Script
 
-    from config.settings import Settings
+    from overnight.config.settings import Settings
 
 Kind = Literal["model", "tool"]
 KINDS: tuple[Kind, ...] = ("model", "tool")
@@ -183,8 +183,8 @@ class CallEnvelope:
         cls, name: str = "default", settings: Settings | None = None, **kwargs: Any
     ) -> CallEnvelope:
         """An envelope on ``OVERNIGHT_REDIS_URL`` in ``OVERNIGHT_NAMESPACE``."""
-        from config.connection import connect
-        from config.settings import load_settings
+        from overnight.config.connection import connect
+        from overnight.config.settings import load_settings
 
         settings = settings or load_settings()
         return cls(
@@ -366,7 +366,7 @@ def _register(client: redis.Redis, op: str) -> Script:
 
 
 def _settings(*, required: bool) -> Settings | None:
-    from config.settings import ConfigError, load_settings
+    from overnight.config.settings import ConfigError, load_settings
 
     try:
         return load_settings()

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple, ParamSpec, TypeVar
 
-from worker.envelope import (
+from overnight.worker.envelope import (
     CallEnvelope,
     EnvelopeRefused,
     EnvelopeState,

@@ -13,10 +13,10 @@ import contextlib
 import logging
 import time
 
-from worker import outcome
-from worker.clients import redis_errors
-from worker.lease import LeaseCorrupt, LeaseDoc, LeaseRefused, Leases, lapsed_reason
-from worker.outcome import Outcome
+from overnight.worker import outcome
+from overnight.worker.clients import redis_errors
+from overnight.worker.lease import LeaseCorrupt, LeaseDoc, LeaseRefused, Leases, lapsed_reason
+from overnight.worker.outcome import Outcome
 
 log = logging.getLogger("overnight.supervisor")
 

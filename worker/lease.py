@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from config.keys import Keys
-from worker import procs
-from worker.scripts import register
+from overnight.config.keys import Keys
+from overnight.worker import procs
+from overnight.worker.scripts import register
 
 if TYPE_CHECKING:
     import redis

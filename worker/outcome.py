@@ -10,8 +10,8 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from config.exits import EXIT_HEARTBEAT_GAP, EXIT_LEASE_LOST, EXIT_REFUSED
-from worker.lease import Status, status_for
+from overnight.config.exits import EXIT_HEARTBEAT_GAP, EXIT_LEASE_LOST, EXIT_REFUSED
+from overnight.worker.lease import Status, status_for
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from config.keys import Keys
-from worker.lease import LeaseRefused, Leases
+from overnight.config.keys import Keys
+from overnight.worker.lease import LeaseRefused, Leases
 
 if TYPE_CHECKING:
     import redis
@@ -61,7 +61,7 @@ _clients: dict[tuple[int, str], redis.Redis] = {}
 
 
 def _leases(lease: LeaseEnv) -> Leases:
-    from worker.clients import client_for_url
+    from overnight.worker.clients import client_for_url
 
     key = (os.getpid(), lease.redis_url)  # a forked child must not share a parent's socket
     with _lock:

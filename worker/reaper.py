@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from config.keys import Keys
-from worker import procs
-from worker.lease import (
+from overnight.config.keys import Keys
+from overnight.worker import procs
+from overnight.worker.lease import (
     LeaseCorrupt,
     LeaseDoc,
     Leases,
@@ -31,8 +31,8 @@ from worker.lease import (
     lapsed_reason,
     status_for,
 )
-from worker.scripts import register
-from worker.tree import TAG_VAR, Proc, Tree, end_tree, read_proc, scan
+from overnight.worker.scripts import register
+from overnight.worker.tree import TAG_VAR, Proc, Tree, end_tree, read_proc, scan
 
 if TYPE_CHECKING:
     import redis

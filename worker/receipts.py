@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.keys import Keys
+from overnight.config.keys import Keys
 
 if TYPE_CHECKING:
     import redis

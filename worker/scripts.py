@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 @cache
 def source(name: str) -> str:
     """The text of ``worker/lua/<name>.lua``."""
-    return resources.files("worker").joinpath("lua", f"{name}.lua").read_text()
+    return resources.files("overnight.worker").joinpath("lua", f"{name}.lua").read_text()
 
 
 def register(client: redis.Redis, name: str) -> Script:

@@ -11,7 +11,7 @@ import os
 import signal
 from typing import Any
 
-from worker import early_signals
+from overnight.worker import early_signals
 
 FORWARDED = early_signals.SIGNALS
 

@@ -23,14 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from config.keys import Keys
-from worker import outcome, procs, tree
-from worker.child import Child, subreaper
-from worker.clients import client_for_url, io_timeout, supervisor_client, url_of
-from worker.keeper import Keeper
-from worker.lease import LeaseDoc, Leases
-from worker.outcome import Outcome
-from worker.signals import FORWARDED, SignalCatcher
+from overnight.config.keys import Keys
+from overnight.worker import outcome, procs, tree
+from overnight.worker.child import Child, subreaper
+from overnight.worker.clients import client_for_url, io_timeout, supervisor_client, url_of
+from overnight.worker.keeper import Keeper
+from overnight.worker.lease import LeaseDoc, Leases
+from overnight.worker.outcome import Outcome
+from overnight.worker.signals import FORWARDED, SignalCatcher
 
 if TYPE_CHECKING:
     import redis

@@ -1,0 +1,72 @@
+"""overnight: leases, a reaper, a shared call envelope and verifier-driven tasks on RQ.
+
+The public Python API::
+
+    from overnight import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
+    from overnight import beat, pulse, run_agent_loop
+
+Names load on first use, so ``import overnight`` (and every ``overnight`` command) stays
+fast: the supervisor's start-up path never pays for the envelope or RQ.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from overnight.worker.envelope import (
+        CallEnvelope,
+        EnvelopeEmpty,
+        EnvelopeRefused,
+        EnvelopeState,
+        EnvelopeUnavailable,
+    )
+    from overnight.worker.guards import LoopResult, gated, reserving, run_agent_loop
+    from overnight.worker.lease import LeaseRefused
+    from overnight.worker.pulse import NoLease, beat, pulse
+
+_WHERE = {
+    "CallEnvelope": "overnight.worker.envelope",
+    "EnvelopeEmpty": "overnight.worker.envelope",
+    "EnvelopeRefused": "overnight.worker.envelope",
+    "EnvelopeState": "overnight.worker.envelope",
+    "EnvelopeUnavailable": "overnight.worker.envelope",
+    "LoopResult": "overnight.worker.guards",
+    "gated": "overnight.worker.guards",
+    "reserving": "overnight.worker.guards",
+    "run_agent_loop": "overnight.worker.guards",
+    "LeaseRefused": "overnight.worker.lease",
+    "NoLease": "overnight.worker.pulse",
+    "beat": "overnight.worker.pulse",
+    "pulse": "overnight.worker.pulse",
+}
+
+__all__ = [
+    "CallEnvelope",
+    "EnvelopeEmpty",
+    "EnvelopeRefused",
+    "EnvelopeState",
+    "EnvelopeUnavailable",
+    "LeaseRefused",
+    "LoopResult",
+    "NoLease",
+    "beat",
+    "gated",
+    "pulse",
+    "reserving",
+    "run_agent_loop",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'overnight' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,5 @@
+"""``python -m overnight`` runs the ``overnight`` CLI."""
+
+from overnight.coordinator.cli import main
+
+main()
