@@ -11,7 +11,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, ParamSpec, TypeVar
 
 from overnight.worker.envelope import (
@@ -88,48 +88,65 @@ def reserving(
 
 
 class Step(NamedTuple):
-    """One planned call: its kind and what to run once the envelope allows it."""
+    """One planned call: its kind and its payload, run only once the envelope allows it.
+
+    A callable payload is called and its return value is the step's output; any other
+    payload is the output itself (``("model", "summarise the diff")``).
+    """
 
     kind: str
-    call: Callable[[], object]
+    call: object
 
 
-@dataclass
-class LoopResult:
-    """How :func:`run_agent_loop` ended: the outputs of the steps run and the refusal, if any."""
+class LoopResult(list[str]):
+    """How :func:`run_agent_loop` ended: its log lines, in order, plus what they came from.
 
-    outputs: list[tuple[str, object]] = field(default_factory=list)
-    halted: EnvelopeRefused | None = None
-    state: EnvelopeState | None = None
+    As a list it holds the lines (``model ok: …``, ``tool ok: …``, ``halt: …``);
+    ``outputs`` has each run step's ``(kind, output)``, ``halted`` the refusal (or None) and
+    ``state`` the envelope read back after the loop (None if Redis did not answer).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[str, object]] = []
+        self.halted: EnvelopeRefused | None = None
+        self.state: EnvelopeState | None = None
 
 
 def run_agent_loop(
     envelope: CallEnvelope,
-    steps: Iterable[Step | tuple[str, Callable[[], object]]],
+    steps: Iterable[Step | tuple[str, object]],
     *,
     echo: Callable[[str], None] | None = None,
     request_prefix: str | None = None,
 ) -> LoopResult:
     """Run ``steps`` in order, each only after the envelope allowed it; stop at the first refusal.
 
-    Each step reports ``<kind> ok: <output>``; the refusal reports ``halt: <why>`` and no
-    later step runs. Lines go to ``echo`` (default: the ``overnight.envelope`` logger).
-    With ``request_prefix``, step ``i`` consumes as request ``<prefix>:<i>``, so a rerun of
-    the same loop is not charged again for steps already allowed.
+    ``steps`` are ``(kind, payload)`` pairs (see :class:`Step`). Each step that runs adds
+    ``<kind> ok: <output>``; a refusal adds ``halt: <why>`` and no later step runs. The
+    returned :class:`LoopResult` is the list of those lines; each line also goes to ``echo``
+    (default: the ``overnight.envelope`` logger). With ``request_prefix``, step ``i``
+    consumes as request ``<prefix>:<i>``, so a rerun of the same loop is not charged again
+    for steps already allowed.
     """
     say = echo or log.info
     result = LoopResult()
-    for i, (kind, call) in enumerate(steps):
+
+    def line(text: str) -> None:
+        result.append(text)
+        say(text)
+
+    for i, (kind, payload) in enumerate(steps):
         rid = f"{request_prefix}:{i}" if request_prefix else None
         try:
             envelope.try_consume(kind, rid)
         except EnvelopeRefused as exc:
-            say(f"halt: {exc}")
+            line(f"halt: {exc}")
             result.halted = exc
             break
-        output = call()
+        output = payload() if callable(payload) else payload
         result.outputs.append((kind, output))
-        say(f"{kind} ok: {output}")
+        line(f"{kind} ok: {output}")
     try:
         result.state = envelope.snapshot()
     except EnvelopeUnavailable:
