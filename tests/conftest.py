@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +16,6 @@ from overnight.coordinator.embedded_redis import (
     RedisBinaryMissing,
     find_redis_server,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

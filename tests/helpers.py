@@ -1,14 +1,25 @@
-"""Small helpers for tests: polling with a deadline, process checks."""
+"""Helpers shared by test modules (test modules never import from each other or from conftest):
+polling with a deadline, process checks, the installed command, running ``overnight
+supervise``, a stand-in model server and task files."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:
@@ -36,3 +47,131 @@ def pid_alive(pid: int) -> bool:
 def kill_quietly(pid: int, sig: int = 9) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
+
+
+# --- overnight supervise ---------------------------------------------------------------
+
+
+def start(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[str]:
+    """Start ``overnight supervise ARGS`` in the background."""
+    return subprocess.Popen(
+        [OVERNIGHT, "supervise", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def supervise(
+    args: list[str], env: dict[str, str], timeout: float = 30
+) -> tuple[int, dict[str, Any], str]:
+    """Run ``overnight supervise ARGS``; returns (exit code, final document, child output)."""
+    proc = start(args, env)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, final_doc(out), out + err
+
+
+def final_doc(stdout: str) -> dict[str, Any]:
+    """The lease document printed at the end of stdout (after the child's own output)."""
+    at = stdout.rfind('{\n  "lease_id"')
+    assert at >= 0, f"no lease document in {stdout!r}"
+    doc: dict[str, Any] = json.loads(stdout[at:])
+    return doc
+
+
+def read_pids(path: Path, count: int, timeout: float = 10) -> list[int]:
+    """Wait until ``path`` holds ``count`` PIDs (one a line) and return them."""
+
+    def ready() -> list[int] | None:
+        try:
+            lines = path.read_text().split()
+        except FileNotFoundError:
+            return None
+        return [int(x) for x in lines] if len(lines) >= count else None
+
+    return wait_for(ready, timeout=timeout)
+
+
+def assert_all_gone(pids: list[int], timeout: float = 5) -> None:
+    try:
+        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=timeout)
+    finally:
+        for pid in pids:
+            kill_quietly(pid)
+    assert not any(pid_alive(p) for p in pids)
+
+
+# --- a stand-in OpenAI-compatible model server --------------------------------------------
+
+
+class Model:
+    """A tiny OpenAI-compatible server: mode is "ok", "500" or "hang"."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.requests: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        model = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                model.requests.append(
+                    {"path": self.path, "auth": self.headers.get("Authorization"), "body": body}
+                )
+                if model.mode == "hang":
+                    model.release.wait(30)
+                    return
+                if model.mode == "500":
+                    self.send_response(500)
+                    self.end_headers()
+                    self.wfile.write(b'{"error": "boom"}')
+                    return
+                answer = {"choices": [{"message": {"role": "assistant", "content": "ANSWER-42"}}]}
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Model:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# --- task files ----------------------------------------------------------------------------
+
+
+def task_file(
+    directory: Path, name: str, agent: list[str] | None, rules: list[list[str]], **kw: Any
+) -> Path:
+    lines = [f"id = {json.dumps(name)}", 'assignment = "Create ok.txt in the work directory."']
+    if agent is not None:
+        lines.append(f"agent = {json.dumps(agent)}")
+    kw.setdefault("max_calls", 10)
+    kw.setdefault("heartbeat_gap", 5)
+    for key, value in kw.items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    for i, run in enumerate(rules):
+        lines += ["[[verifier]]", f'name = "rule-{i}"', f"run = {json.dumps(run)}"]
+    workdir = directory / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.toml"
+    path.write_text("\n".join([*lines[:2], f'workdir = "{name}"', *lines[2:]]) + "\n")
+    return path

@@ -24,8 +24,7 @@ from compose_spec import PyCompose
 
 from overnight.config.settings import Settings, env_name
 from overnight.coordinator.embedded_redis import free_port
-from tests.conftest import OVERNIGHT
-from tests.helpers import wait_for
+from tests.helpers import OVERNIGHT, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

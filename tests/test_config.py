@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from overnight.config.settings import ConfigError, load_settings
-from tests.conftest import OVERNIGHT
+from tests.helpers import OVERNIGHT
 
 
 def run_config(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from overnight.config.keys import Keys
 from overnight.config.settings import load_settings
 from overnight.coordinator.control import ensure_envelope, submit_folders, task_files
 from overnight.worker.envelope import CallEnvelope
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 @pytest.fixture(params=["fake", "real"])

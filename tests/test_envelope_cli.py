@@ -12,9 +12,7 @@ import redis
 
 from overnight.coordinator.embedded_redis import EmbeddedRedis
 from overnight.worker.envelope import CallEnvelope, EnvelopeUnavailable
-from tests.conftest import OVERNIGHT, ROOT
-
-from .helpers import wait_for
+from tests.helpers import OVERNIGHT, ROOT, wait_for
 
 REFUSED_MODEL = {
     "error": "envelope empty; refused model call; remaining=0",

@@ -20,9 +20,15 @@ from overnight.config.keys import Keys
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
 from overnight.worker.lease import LeaseRefused, Leases
 from overnight.worker.supervisor import StepSpec, run_supervised
-from tests.conftest import OVERNIGHT
-from tests.helpers import pid_alive, wait_for
-from tests.test_supervise import assert_all_gone, final_doc, read_pids, start
+from tests.helpers import (
+    OVERNIGHT,
+    assert_all_gone,
+    final_doc,
+    pid_alive,
+    read_pids,
+    start,
+    wait_for,
+)
 
 PY = sys.executable
 
@@ -135,7 +141,7 @@ def test_envelope_consumes_across_a_restart_are_exact(redis_factory: Any, namesp
 def test_worker_reconnects_by_itself_after_a_restart(
     env: dict[str, str], redis_factory: Any, tmp_path: Path, namespace: str, when: str
 ) -> None:
-    from tests.test_task_rq import task_file
+    from tests.helpers import task_file
 
     server = redis_factory(appendonly=True)
     tenv = {**env, "OVERNIGHT_REDIS_URL": server.url, "OVERNIGHT_QUEUE": namespace,

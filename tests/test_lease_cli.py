@@ -15,7 +15,7 @@ from overnight.config.keys import Keys
 from overnight.config.settings import ConfigError, Settings, load_settings
 from overnight.worker.cli_lease import SETTINGS_FIELDS, QuickSettings, _fast, quick_settings
 from overnight.worker.lease import Leases
-from tests.conftest import OVERNIGHT
+from tests.helpers import OVERNIGHT
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -5,64 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.helpers import Model
+
 SECRET = "sk-test-secret-0123456789"
-
-
-class Model:
-    """A tiny OpenAI-compatible server: mode is "ok", "500" or "hang"."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.requests: list[dict[str, Any]] = []
-        self.release = threading.Event()
-        model = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                model.requests.append(
-                    {"path": self.path, "auth": self.headers.get("Authorization"), "body": body}
-                )
-                if model.mode == "hang":
-                    model.release.wait(30)
-                    return
-                if model.mode == "500":
-                    self.send_response(500)
-                    self.end_headers()
-                    self.wfile.write(b'{"error": "boom"}')
-                    return
-                answer = {"choices": [{"message": {"role": "assistant", "content": "ANSWER-42"}}]}
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> Model:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.taskfile import TaskFileError, load, load_all
 from overnight.worker.envelope import CallEnvelope
 from overnight.worker.lease import Leases
-from tests.conftest import OVERNIGHT
+from tests.helpers import OVERNIGHT
 
 PY = sys.executable
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]

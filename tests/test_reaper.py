@@ -19,8 +19,7 @@ from overnight.worker.lease import TERMINAL, LeaseDoc, LeaseRefused, Leases
 from overnight.worker.reaper import RECEIPT_KIND, lease_tag, reap_once
 from overnight.worker.receipts import read
 from overnight.worker.tree import TAG_VAR, scan
-from tests.conftest import OVERNIGHT
-from tests.helpers import kill_quietly, pid_alive, wait_for
+from tests.helpers import OVERNIGHT, kill_quietly, pid_alive, wait_for
 
 ENDINGS = ("lease_ended", RECEIPT_KIND)
 

@@ -18,8 +18,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
 from overnight.worker.envelope import CallEnvelope
 from overnight.worker.lease import LeaseRefused, Leases
-from tests.conftest import OVERNIGHT
-from tests.test_task_rq import task_file
+from tests.helpers import OVERNIGHT, task_file
 
 PY = sys.executable
 # The agent beats through the CLI and spends from the envelope itself: both must work

@@ -16,61 +16,18 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.worker.lease import CONTRACT_FIELDS, Leases
-from tests.conftest import OVERNIGHT
-from tests.helpers import kill_quietly, pid_alive, wait_for
+from tests.helpers import (
+    OVERNIGHT,
+    assert_all_gone,
+    final_doc,
+    pid_alive,
+    read_pids,
+    start,
+    supervise,
+    wait_for,
+)
 
 PY = sys.executable
-
-
-def start(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[str]:
-    """Start ``overnight supervise ARGS`` in the background."""
-    return subprocess.Popen(
-        [OVERNIGHT, "supervise", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
-def supervise(
-    args: list[str], env: dict[str, str], timeout: float = 30
-) -> tuple[int, dict[str, Any], str]:
-    """Run ``overnight supervise ARGS``; returns (exit code, final document, child output)."""
-    proc = start(args, env)
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, final_doc(out), out + err
-
-
-def final_doc(stdout: str) -> dict[str, Any]:
-    """The lease document printed at the end of stdout (after the child's own output)."""
-    at = stdout.rfind('{\n  "lease_id"')
-    assert at >= 0, f"no lease document in {stdout!r}"
-    doc: dict[str, Any] = json.loads(stdout[at:])
-    return doc
-
-
-def read_pids(path: Path, count: int, timeout: float = 10) -> list[int]:
-    """Wait until ``path`` holds ``count`` PIDs (one a line) and return them."""
-
-    def ready() -> list[int] | None:
-        try:
-            lines = path.read_text().split()
-        except FileNotFoundError:
-            return None
-        return [int(x) for x in lines] if len(lines) >= count else None
-
-    return wait_for(ready, timeout=timeout)
-
-
-def assert_all_gone(pids: list[int], timeout: float = 5) -> None:
-    try:
-        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=timeout)
-    finally:
-        for pid in pids:
-            kill_quietly(pid)
-    assert not any(pid_alive(p) for p in pids)
 
 
 # --- the table of contract section 2 ----------------------------------------------------

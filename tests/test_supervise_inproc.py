@@ -18,8 +18,7 @@ from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
 from overnight.worker import tree
 from overnight.worker.lease import LeaseDoc, LeaseRefused
 from overnight.worker.supervisor import StepSpec, SupervisedResult, run_supervised, url_of
-from tests.helpers import pid_alive
-from tests.test_supervise import assert_all_gone, read_pids
+from tests.helpers import assert_all_gone, pid_alive, read_pids
 
 PY = sys.executable
 

@@ -16,8 +16,16 @@ from pathlib import Path
 import pytest
 
 from overnight.worker import tree
-from tests.helpers import kill_quietly, pid_alive, wait_for
-from tests.test_supervise import assert_all_gone, final_doc, read_pids, start, supervise
+from tests.helpers import (
+    assert_all_gone,
+    final_doc,
+    kill_quietly,
+    pid_alive,
+    read_pids,
+    start,
+    supervise,
+    wait_for,
+)
 
 PY = sys.executable
 

@@ -15,9 +15,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from tests.conftest import OVERNIGHT
-from tests.helpers import kill_quietly, pid_alive, wait_for
-from tests.test_model_step import Model
+from tests.helpers import OVERNIGHT, Model, kill_quietly, pid_alive, task_file, wait_for
 
 PY = sys.executable
 RQ = str(Path(OVERNIGHT).with_name("rq"))
@@ -51,25 +49,6 @@ def cli(tenv: dict[str, str], *args: str, timeout: float = 45) -> subprocess.Com
     return subprocess.run(
         [OVERNIGHT, *args], env=tenv, capture_output=True, text=True, timeout=timeout, check=False
     )
-
-
-def task_file(
-    directory: Path, name: str, agent: list[str] | None, rules: list[list[str]], **kw: Any
-) -> Path:
-    lines = [f"id = {json.dumps(name)}", 'assignment = "Create ok.txt in the work directory."']
-    if agent is not None:
-        lines.append(f"agent = {json.dumps(agent)}")
-    kw.setdefault("max_calls", 10)
-    kw.setdefault("heartbeat_gap", 5)
-    for key, value in kw.items():
-        lines.append(f"{key} = {json.dumps(value)}")
-    for i, run in enumerate(rules):
-        lines += ["[[verifier]]", f'name = "rule-{i}"', f"run = {json.dumps(run)}"]
-    workdir = directory / name
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.toml"
-    path.write_text("\n".join([*lines[:2], f'workdir = "{name}"', *lines[2:]]) + "\n")
-    return path
 
 
 def submit(tenv: dict[str, str], *files: Path) -> list[str]:

@@ -10,7 +10,7 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator.taskfile import TaskFileError, load
-from tests.conftest import OVERNIGHT
+from tests.helpers import OVERNIGHT
 
 GOOD = """
 assignment = "make it pass"

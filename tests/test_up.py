@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import OVERNIGHT, ROOT
-from tests.helpers import wait_for
+from tests.helpers import OVERNIGHT, ROOT, wait_for
 
 EXPECTED = {
     "greeting": "finished_verified",
