@@ -92,6 +92,7 @@ def submit_command(
     for rec in records:
         click.echo(rec.id)
     sys.stdout.flush()
+    _warn_missing_envelopes(sorted({spec.envelope for spec in specs}))
     if wait:
         code = _wait([rec.id for rec in records], store, timeout)
         raise SystemExit(code)
@@ -198,6 +199,25 @@ def _start_reaper() -> subprocess.Popen[bytes]:
         stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent,
     )
+
+
+def _warn_missing_envelopes(names: list[str]) -> None:
+    """One stderr line per envelope the submitted tasks name that does not exist yet."""
+    from overnight.config.context import redis_client, settings
+    from overnight.worker.envelope import CallEnvelope, EnvelopeRefused
+
+    for name in names:
+        try:
+            exists = CallEnvelope(redis_client(), name, settings().namespace).snapshot().exists
+        except EnvelopeRefused:
+            continue  # a corrupt record or a Redis hiccup: the tasks will say so themselves
+        if not exists:
+            click.echo(
+                f"overnight submit: warning: envelope {name!r} does not exist, so its tasks "
+                "will halt at their first call; create it with `overnight envelope reset N` "
+                "(or OVERNIGHT_BUDGET for the coordinator)",
+                err=True,
+            )
 
 
 @click.command("status")

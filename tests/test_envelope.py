@@ -84,7 +84,7 @@ def test_reset_sets_remaining_and_zeroes_counters(ev: CallEnvelope) -> None:
     state = ev.reset(7)
     assert state.model_dump() == {
         "remaining": 7, "consumed_model": 0, "consumed_tool": 0, "reserved_model": 0,
-        "reserved_tool": 0, "max_model": None, "max_tool": None, "budget": 7,
+        "reserved_tool": 0, "max_model": None, "max_tool": None, "budget": 7, "exists": True,
     }  # fmt: skip
     resets = [rc for rc in read(ev.client, ev.keys) if rc.kind == "envelope_reset"]
     assert [rc.data["budget"] for rc in resets] == [5, 7]
@@ -101,8 +101,9 @@ def test_never_reset_envelope_is_empty(ev: CallEnvelope) -> None:
     assert ev.snapshot().remaining == 0
     with pytest.raises(EnvelopeEmpty) as info:
         ev.try_consume("model")
-    assert str(info.value) == "envelope empty; refused model call; remaining=0"
-    assert info.value.reason == "unknown"
+    assert str(info.value).startswith("envelope 'default' does not exist (create it with")
+    assert info.value.public()["error"] == "envelope empty; refused model call; remaining=0"
+    assert info.value.reason == "unknown" and ev.snapshot().exists is False
     assert not ev.client.exists(ev.keys.envelope("default"))
     assert kinds_of(read(ev.client, ev.keys)) == ["envelope_refused"]  # type: ignore[arg-type]
 

@@ -37,7 +37,11 @@ def reset_command(n: int, max_model: int | None, max_tool: int | None, name: str
 @envelope_group.command("status")
 @click.option("--name", default="default", show_default=True, help=_NAME_HELP)
 def status_command(name: str) -> None:
-    """Print what is left and what was spent; exit 2 if the record is corrupt."""
+    """Print what is left and what was spent.
+
+    Exit 2 if the envelope was never created (the state says ``"exists": false``) or its
+    record is corrupt.
+    """
     from overnight.config.exits import EXIT_REFUSED, CommandError
     from overnight.worker.envelope import EnvelopeEmpty
 
@@ -46,6 +50,13 @@ def status_command(name: str) -> None:
     except EnvelopeEmpty as exc:
         raise CommandError(str(exc), EXIT_REFUSED) from None
     _print(state, indent=2)
+    if not state.exists:
+        click.echo(
+            f"overnight envelope: envelope {name!r} does not exist; create it with "
+            "`overnight envelope reset N` (or OVERNIGHT_BUDGET for the coordinator)",
+            err=True,
+        )
+        raise click.exceptions.Exit(EXIT_REFUSED)
 
 
 @envelope_group.command("consume")
@@ -64,6 +75,8 @@ def consume_command(kind: str, request_id: str | None, dry_run: bool, name: str)
         state = _call(name, lambda env: env.try_consume(kind, request_id, dry_run=dry_run))
     except EnvelopeEmpty as exc:
         click.echo(json.dumps(exc.public()))
+        if exc.reason == "unknown":
+            click.echo(f"overnight envelope: {exc}", err=True)
         raise click.exceptions.Exit(EXIT_REFUSED) from None
     _print(state)
 

@@ -47,6 +47,8 @@ class EnvelopeState(BaseModel):
     max_model: int | None = None
     max_tool: int | None = None
     budget: int = 0
+    # False for an envelope that was never created (it refuses every call).
+    exists: bool = True
     # True when a request id was seen before and this is its first answer, replayed.
     replayed: bool = Field(False, exclude=True)
 
@@ -73,17 +75,20 @@ class EnvelopeEmpty(EnvelopeRefused):
         reason: str = "empty",
         units: int = 1,
         state: EnvelopeState | None = None,
+        name: str | None = None,
     ) -> None:
         self.kind = kind
         self.remaining = remaining
         self.reason = reason
         self.units = units
+        self.name = name
         self.state = state or EnvelopeState(remaining=remaining)
-        super().__init__(refusal_message(kind, remaining, reason, units, self.state))
+        super().__init__(refusal_message(kind, remaining, reason, units, self.state, name))
 
     def public(self) -> dict[str, Any]:
-        """The CLI's error JSON."""
-        return {"error": str(self), "remaining": self.remaining, "kind": self.kind}
+        """The CLI's error JSON (the contract's wording: an unknown envelope is empty)."""
+        line = refusal_message(self.kind, self.remaining, self.reason, self.units, self.state)
+        return {"error": line, "remaining": self.remaining, "kind": self.kind}
 
 
 class EnvelopeUnavailable(EnvelopeRefused):
@@ -106,9 +111,19 @@ class ReservationLost(Exception):
 
 
 def refusal_message(
-    kind: str, remaining: int, reason: str, units: int, state: EnvelopeState
+    kind: str,
+    remaining: int,
+    reason: str,
+    units: int,
+    state: EnvelopeState,
+    name: str | None = None,
 ) -> str:
     """One line saying why a ``kind`` call was refused."""
+    if reason == "unknown" and name is not None:
+        return (
+            f"envelope {name!r} does not exist (create it with `overnight envelope reset N` "
+            f"or OVERNIGHT_BUDGET); refused {kind} call; remaining=0"
+        )
     if reason == "short":
         what = f"short of {units} units"
     elif reason == "corrupt":
@@ -219,8 +234,9 @@ class CallEnvelope:
         return self._run(self._reset, "reset", 3, args, refuse=False).allowed
 
     def snapshot(self) -> EnvelopeState:
-        """The current state (all zero for an envelope that was never reset)."""
-        return self._run(self._status, "status", 2, self._keys[:2], refuse=False).state
+        """The current state (all zero, ``exists`` False, for an envelope never created)."""
+        reply = self._run(self._status, "status", 2, self._keys[:2], refuse=False)
+        return reply.state.model_copy(update={"exists": reply.allowed})
 
     def try_consume(
         self,
@@ -322,10 +338,14 @@ class CallEnvelope:
         if reply.reason.startswith("bad-"):
             raise ValueError(f"envelope refused the arguments: {reply.reason}")
         if reply.reason == "corrupt":
-            raise EnvelopeEmpty(kind, 0, reason="corrupt", units=units)
+            raise EnvelopeEmpty(kind, 0, reason="corrupt", units=units, name=self.name)
         if refuse and not reply.allowed:
-            rem = reply.state.remaining
-            raise EnvelopeEmpty(kind, rem, reason=reply.reason, units=units, state=reply.state)
+            state = reply.state
+            if reply.reason == "unknown":
+                state = state.model_copy(update={"exists": False})
+            raise EnvelopeEmpty(
+                kind, state.remaining, reason=reply.reason, units=units, state=state, name=self.name
+            )
         return reply
 
 
