@@ -175,3 +175,26 @@ def task_file(
     path = directory / f"{name}.toml"
     path.write_text("\n".join([*lines[:2], f'workdir = "{name}"', *lines[2:]]) + "\n")
     return path
+
+
+# --- folders that would shadow our modules ----------------------------------------------
+
+# Every name the project's layers had (or have) as top-level imports; each file raises if
+# it is ever imported, so a run from such a folder proves the working folder is never on
+# the import path of any interpreter we start.
+SHADOWS = (
+    "config.py",
+    "worker.py",
+    "overnight.py",
+    "coordinator/__init__.py",
+    "config/settings/__init__.py",
+)
+
+
+def plant_shadows(folder: Path) -> Path:
+    """Fill ``folder`` with modules named like ours that raise when imported; return it."""
+    for name in SHADOWS:
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"raise RuntimeError('shadowed: {name} imported from {folder}')\n")
+    return folder
