@@ -40,7 +40,7 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.coordinator.taskstore import PAUSED, TERMINAL
+from overnight.coordinator.states import PAUSED, TERMINAL
 from overnight.worker import tree
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.reaper import lease_tag

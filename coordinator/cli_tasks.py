@@ -99,7 +99,7 @@ def submit_command(
 
 
 def _wait(ids: list[str], store: TaskStore, timeout: float | None) -> int:
-    from overnight.coordinator.taskstore import PAUSED, TERMINAL
+    from overnight.coordinator.states import SETTLED, State
 
     end = None if timeout is None else time.monotonic() + timeout
     pending = set(ids)
@@ -107,7 +107,7 @@ def _wait(ids: list[str], store: TaskStore, timeout: float | None) -> int:
     while pending:
         for task_id in sorted(pending):
             rec = store.get(task_id)
-            if rec is not None and (rec.state in TERMINAL or rec.state == PAUSED):
+            if rec is not None and rec.state in SETTLED:
                 states[task_id] = rec.state
                 pending.discard(task_id)
                 click.echo(f"{task_id}: {rec.state}", err=True)
@@ -119,7 +119,7 @@ def _wait(ids: list[str], store: TaskStore, timeout: float | None) -> int:
             return EXIT_REFUSED
         if pending:
             time.sleep(0.2)
-    ok = all(state == "finished_verified" for state in states.values())
+    ok = all(state == State.FINISHED_VERIFIED for state in states.values())
     return EXIT_OK if ok else EXIT_REFUSED
 
 
@@ -250,13 +250,13 @@ def reconcile_command(task_id: str, action: str | None) -> None:
     """
     from overnight.config.context import redis_client, rq_connection, settings
     from overnight.coordinator.dispatch import enqueue, recover
-    from overnight.coordinator.taskstore import PAUSED
+    from overnight.coordinator.states import PAUSED, RUNNING
 
     if action is None:
         raise click.UsageError("say --resume or --abort")
     store = _store()
     rec = _record(store, task_id)
-    if rec.state == "running" and not store.claim_alive(task_id):
+    if rec.state == RUNNING and not store.claim_alive(task_id):
         recover(redis_client(), rq_connection(), store.keys, settings())
         rec = _record(store, task_id)
     if action == "abort":

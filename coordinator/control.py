@@ -122,7 +122,8 @@ def run_coordinator(
 
     from overnight.config.connection import connect
     from overnight.config.context import settings as current
-    from overnight.coordinator.taskstore import PAUSED, TERMINAL, TaskStore
+    from overnight.coordinator.states import SETTLED
+    from overnight.coordinator.taskstore import TaskStore
 
     settings = current()
     logging.basicConfig(
@@ -155,7 +156,7 @@ def run_coordinator(
                 log.info("namespace=%s %s", keys.namespace, line)
             if exit_when_done:
                 states = [rec.state for rec in store.all()]
-                if all(s in TERMINAL or s == PAUSED for s in states):
+                if all(s in SETTLED for s in states):
                     log.info("namespace=%s every task has ended or paused", keys.namespace)
                     return 0
             down = False

@@ -8,15 +8,16 @@ import time
 from pathlib import Path
 
 from overnight.config.exits import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CommandError
+from overnight.coordinator.states import State
 from overnight.coordinator.up import UpOptions, run_up
 
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 # What each example task is built to show; the demo checks that it did.
 EXPECTED = {
-    "greeting": "finished_verified",
-    "fix-add": "finished_verified",
-    "hangs-once": "finished_verified",
-    "never-done": "halted_at_call_ceiling",
+    "greeting": State.FINISHED_VERIFIED,
+    "fix-add": State.FINISHED_VERIFIED,
+    "hangs-once": State.FINISHED_VERIFIED,
+    "never-done": State.HALTED_AT_CALL_CEILING,
 }
 # Enough for the first three tasks (2 + 4 + 4 calls at most); the fourth drains the rest.
 DEMO_BUDGET = 16

@@ -38,6 +38,7 @@ from overnight.coordinator.loop import (
     TaskLoop,
     lost_step_decision,
 )
+from overnight.coordinator.states import QUEUED, RUNNING, State
 from overnight.coordinator.steps import StepRunner, supervised_runner
 from overnight.coordinator.taskstore import Runner, TaskCorrupt, TaskRecord, TaskStore
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
@@ -223,24 +224,24 @@ def recover(
     requeue: list[TaskRecord] = []
     for i, task_id in enumerate(ids):
         (state, updated), claimed = rows[2 * i], rows[2 * i + 1]
-        if state == "running" and not claimed:
+        if state == RUNNING and not claimed:
             rec = _readable(store, task_id)
             if rec is None:
                 continue
             cp = rec.checkpoint.model_copy(deep=True)
             if rec.started_unix is not None and now >= rec.started_unix + rec.spec.deadline:
-                new, detail = "expired", f"task deadline of {rec.spec.deadline:g}s passed"
+                new, detail = State.EXPIRED, f"task deadline of {rec.spec.deadline:g}s passed"
             else:
                 new, detail = lost_step_decision(cp, rec.spec.on_unknown, settings.max_lost_leases)
-            attempt = rec.attempt + 1 if new == "queued" else rec.attempt
+            attempt = rec.attempt + 1 if new == QUEUED else rec.attempt
             if store.orphan(rec, new, cp, detail, attempt):
                 log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)
                 actions.append(f"{task_id}: {new}: {detail}")
-                if new == "queued":
+                if new == QUEUED:
                     requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
-        elif state == "queued" and now - float(updated or 0) > QUEUED_GRACE:
+        elif state == QUEUED and now - float(updated or 0) > QUEUED_GRACE:
             rec = _readable(store, task_id)
-            if rec is not None and rec.state == "queued" and _job_gone(rq_conn, rec.job_id()):
+            if rec is not None and rec.state == QUEUED and _job_gone(rq_conn, rec.job_id()):
                 actions.append(f"{task_id}: re-enqueued attempt {rec.attempt}")
                 requeue.append(rec)
     if requeue:

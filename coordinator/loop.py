@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.config.spawn import python_module
+from overnight.coordinator.states import PAUSED, QUEUED, State
 from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner
 from overnight.coordinator.taskfile import TaskSpec
 from overnight.coordinator.taskstore import (
-    PAUSED,
     AgentResult,
     Checkpoint,
     InFlight,
@@ -87,19 +87,19 @@ def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
     return "\n".join(parts)
 
 
-def lost_step_decision(cp: Checkpoint, on_unknown: str, cap: int) -> tuple[str, str]:
+def lost_step_decision(cp: Checkpoint, on_unknown: str, cap: int) -> tuple[State, str]:
     """What a task whose worker died becomes: ``(state, detail)``; counts the loss."""
     cp.lost_leases += 1
     flight = cp.in_flight
     if cp.lost_leases >= cap:
         return PAUSED, f"lost {cp.lost_leases} runs (cap {cap}); reconcile to go on"
     if flight is None:
-        return "queued", "worker died between steps; resuming from the checkpoint"
+        return QUEUED, "worker died between steps; resuming from the checkpoint"
     what = f"{flight.name} step of turn {flight.turn}"
     if on_unknown == "pause":
         return PAUSED, f"outcome of the {what} is unknown: its worker died"
     cp.in_flight = None
-    return "queued", f"retrying the {what} after its worker died"
+    return QUEUED, f"retrying the {what} after its worker died"
 
 
 def _clip(text: str, limit: int = MAX_PROMPT_ARG) -> str:
@@ -181,7 +181,9 @@ class TaskLoop:
                 return "lost"
             left = deadline - self.clock()
             if left <= 0:
-                return self._end(rec, cp, "expired", f"task deadline of {spec.deadline:g}s passed")
+                return self._end(
+                    rec, cp, State.EXPIRED, f"task deadline of {spec.deadline:g}s passed"
+                )
             name = "agent" if cp.step == 0 else spec.verifier[cp.step - 1].name
             request_id = f"{rec.id}:{rec.run}:{cp.turn}:{cp.step}"
             try:
@@ -191,7 +193,7 @@ class TaskLoop:
             except CallRefused as exc:
                 body = receipt_body(rec.id, who=exc.who, detail=exc.detail, step=name, turn=cp.turn)
                 return self._end(
-                    rec, cp, "halted_at_call_ceiling", exc.detail, [("call_refused", body)]
+                    rec, cp, State.HALTED_AT_CALL_CEILING, exc.detail, [("call_refused", body)]
                 )
             if cp.step == 0:
                 cp.turns = cp.turn
@@ -249,7 +251,7 @@ class TaskLoop:
         started = rec.started_unix or self.clock()
         if out.status == "expired" and self.clock() >= started + spec.deadline:
             detail = f"task deadline of {spec.deadline:g}s passed during the {name} step"
-            return self._end(rec, cp, "expired", detail, receipts)
+            return self._end(rec, cp, State.EXPIRED, detail, receipts)
         cp.step += 1
         if cp.step <= len(spec.verifier):
             return None if self._save(rec, cp, receipts=receipts) else "lost"
@@ -262,7 +264,7 @@ class TaskLoop:
         receipts.append(("verdict", receipt_body(rec.id, **verdict.model_dump(), ok=verdict.ok)))
         if verdict.ok:
             cp.memory = None
-            return self._end(rec, cp, "finished_verified", "every rule passed", receipts)
+            return self._end(rec, cp, State.FINISHED_VERIFIED, "every rule passed", receipts)
         first = next(r for r in cp.results if not r.passed)
         cp.memory = Memory(
             unmet=verdict.failed, rule=first.name, note=first.note, evidence=first.tail
@@ -274,7 +276,7 @@ class TaskLoop:
         if cp.repeats >= STUCK_TURNS:
             detail = f"same agent output and same verdict {cp.repeats} turns running"
             receipts.append(("task_stuck", receipt_body(rec.id, turn=cp.turn, detail=detail)))
-            return self._end(rec, cp, "halted_stuck", detail, receipts)
+            return self._end(rec, cp, State.HALTED_STUCK, detail, receipts)
         cp.turn, cp.step, cp.agent, cp.results = cp.turn + 1, 0, None, []
         return None if self._save(rec, cp, receipts=receipts) else "lost"
 
@@ -346,7 +348,7 @@ class TaskLoop:
         self,
         rec: TaskRecord,
         cp: Checkpoint,
-        state: str,
+        state: State,
         detail: str,
         receipts: list[tuple[str, str]] | None = None,
     ) -> str:

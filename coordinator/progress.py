@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from overnight.coordinator.states import State
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -33,15 +35,16 @@ class TaskRow:
         )
 
 
-STATE_STYLE = {
-    "finished_verified": "green",
-    "halted_at_call_ceiling": "yellow",
-    "halted_stuck": "yellow",
-    "paused_for_reconciliation": "magenta",
-    "expired": "red",
-    "aborted": "red",
-    "running": "cyan",
-    "queued": "dim",
+STATE_STYLE: dict[str, str] = {
+    State.FINISHED_VERIFIED: "green",
+    State.HALTED_AT_CALL_CEILING: "yellow",
+    State.HALTED_STUCK: "yellow",
+    State.PAUSED: "magenta",
+    State.EXPIRED: "red",
+    State.ABORTED: "red",
+    State.AGENT_FAILED: "red",
+    State.RUNNING: "cyan",
+    State.QUEUED: "dim",
 }
 
 

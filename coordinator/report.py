@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, TextIO
 
+from overnight.coordinator.states import State
 from overnight.coordinator.taskstore import TaskRecord
 
 
@@ -33,7 +34,7 @@ def status_dict(rec: TaskRecord, claim_alive: bool, now: float | None = None) ->
         "unmet": list(cp.memory.unmet) if cp.memory else [],
         "evidence": cp.memory.evidence if cp.memory else "",
         "in_flight": cp.in_flight.model_dump() if cp.in_flight else None,
-        "orphaned": rec.state == "running" and not claim_alive,
+        "orphaned": rec.state == State.RUNNING and not claim_alive,
         "lost_leases": cp.lost_leases,
         "attempt": rec.attempt,
         "job_id": rec.job_id(),
@@ -71,13 +72,14 @@ def verdict_text(rec: TaskRecord) -> str:
 
 COLUMNS = ("TASK", "STATE", "CALLS", "TURNS", "TIME", "LAST VERDICT", "DETAIL")
 STYLES = {
-    "finished_verified": "green",
-    "halted_at_call_ceiling": "yellow",
-    "halted_stuck": "yellow",
-    "expired": "red",
-    "aborted": "red",
-    "paused_for_reconciliation": "magenta",
-    "running": "cyan",
+    State.FINISHED_VERIFIED: "green",
+    State.HALTED_AT_CALL_CEILING: "yellow",
+    State.HALTED_STUCK: "yellow",
+    State.EXPIRED: "red",
+    State.ABORTED: "red",
+    State.AGENT_FAILED: "red",
+    State.PAUSED: "magenta",
+    State.RUNNING: "cyan",
 }
 
 

@@ -15,11 +15,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from functools import cache
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationError
 
 from overnight.config.keys import Keys
+from overnight.coordinator.states import LIVE, QUEUED, RUNNING, Op, State, lua_prelude
 from overnight.coordinator.taskfile import TaskSpec
 from overnight.worker.receipts import STREAM_MAXLEN, Receipt
 
@@ -27,11 +28,6 @@ if TYPE_CHECKING:
     import redis
     from redis.commands.core import Script
 
-PAUSED = "paused_for_reconciliation"
-TERMINAL: frozenset[str] = frozenset(
-    {"finished_verified", "halted_at_call_ceiling", "halted_stuck", "expired", "aborted"}
-)
-LIVE: frozenset[str] = frozenset({"queued", "running", PAUSED})
 ChargeResult = Literal["charged", "ceiling", "lost"]
 
 
@@ -118,7 +114,7 @@ class TaskRecord(BaseModel):
     id: str
     run: str
     attempt: int
-    state: str
+    state: State
     queue: str = ""
     detail: str = ""
     calls_used: int = 0
@@ -158,7 +154,7 @@ class TaskRecord(BaseModel):
             id=raw["id"],
             run=raw.get("run", ""),
             attempt=int(raw.get("attempt") or 1),
-            state=raw.get("state", "unknown"),
+            state=State(raw.get("state", "")),
             queue=raw.get("queue", ""),
             detail=raw.get("detail", ""),
             calls_used=int(raw.get("calls_used") or 0),
@@ -204,7 +200,9 @@ def receipt_body(task_id: str, lease_id: str | None = None, **data: Any) -> str:
 
 @cache
 def _source(name: str) -> str:
-    return resources.files("overnight.coordinator").joinpath("lua", f"{name}.lua").read_text()
+    """A task script, after the Lua lines of its rows of the transitions table."""
+    text = resources.files("overnight.coordinator").joinpath("lua", f"task_{name}.lua").read_text()
+    return lua_prelude(name if name in get_args(Op) else None) + text  # type: ignore[arg-type]
 
 
 _SCRIPTS = (
@@ -231,7 +229,7 @@ class TaskStore:
         self.keys = keys
         self.clock = clock
         self._scripts: dict[str, Script] = {
-            name: client.register_script(_source(f"task_{name}")) for name in _SCRIPTS
+            name: client.register_script(_source(name)) for name in _SCRIPTS
         }
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -281,7 +279,7 @@ class TaskStore:
             task_id = spec.id or f"task-{uuid.uuid4().hex[:10]}"
             spec = spec.model_copy(update={"id": task_id})
             run = uuid.uuid4().hex[:8]
-            body = receipt_body(task_id, state="queued", run=run, workdir=spec.workdir)
+            body = receipt_body(task_id, state=QUEUED, run=run, workdir=spec.workdir)
             keys += [
                 self.keys.task(task_id),
                 self.keys.task_claim(task_id),
@@ -297,7 +295,7 @@ class TaskStore:
                 id=str(spec.id),
                 run=run,
                 attempt=1,
-                state="queued",
+                state=QUEUED,
                 spec=spec,
                 queue=queue,
                 checkpoint=Checkpoint(),
@@ -311,7 +309,7 @@ class TaskStore:
         self, task_id: str, attempt: int, token: str, ttl: float, runner: Runner
     ) -> tuple[TaskRecord | None, str]:
         """Take a queued task for ``attempt``; returns the record, or None and the reason."""
-        body = receipt_body(task_id, state="running", attempt=attempt, worker=runner.worker)
+        body = receipt_body(task_id, state=RUNNING, attempt=attempt, worker=runner.worker)
         result = self._run(
             "claim",
             [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
@@ -338,19 +336,18 @@ class TaskStore:
         token: str,
         checkpoint: Checkpoint,
         *,
-        state: str | None = None,
+        state: State = RUNNING,
         detail: str = "",
         receipts: Sequence[tuple[str, str]] = (),
     ) -> tuple[bool, str]:
-        """Checkpoint (and maybe end) a task held under ``token``; returns (ok, reason)."""
-        release = "1" if state in TERMINAL else "2" if state == PAUSED else "0"
+        """Checkpoint a task held under ``token`` and move it to ``state`` (RUNNING: it goes
+        on); returns (ok, reason)."""
         args: list[Any] = [
             token,
             checkpoint.model_dump_json(),
-            state or "",
+            state.value,
             detail,
             repr(self.clock()),
-            release,
             STREAM_MAXLEN,
         ]
         for kind, body in receipts:
@@ -385,7 +382,7 @@ class TaskStore:
         return bool(self._run("drop_claim", keys, [attempt, runner_pid]))
 
     def orphan(
-        self, rec: TaskRecord, state: str, checkpoint: Checkpoint, detail: str, attempt: int
+        self, rec: TaskRecord, state: State, checkpoint: Checkpoint, detail: str, attempt: int
     ) -> bool:
         """Move a running task whose claim lapsed to ``state``; False if it is not orphaned."""
         body = receipt_body(rec.id, state=state, detail=detail, attempt=attempt, recovered=True)
@@ -407,7 +404,7 @@ class TaskStore:
 
     def resume(self, rec: TaskRecord, checkpoint: Checkpoint) -> tuple[bool, str]:
         attempt = rec.attempt + 1
-        body = receipt_body(rec.id, state="queued", attempt=attempt, reconciled="resume")
+        body = receipt_body(rec.id, state=QUEUED, attempt=attempt, reconciled="resume")
         result = self._run(
             "resume",
             [self.keys.task(rec.id), self.keys.receipts],
@@ -423,7 +420,7 @@ class TaskStore:
         return int(result[0]) == 1, str(result[1]) if len(result) > 1 else "ok"
 
     def abort(self, task_id: str, detail: str) -> tuple[bool, str]:
-        body = receipt_body(task_id, state="aborted", detail=detail, reconciled="abort")
+        body = receipt_body(task_id, state=State.ABORTED, detail=detail, reconciled="abort")
         result = self._run(
             "abort",
             [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],

@@ -19,6 +19,7 @@ from overnight.config.keys import Keys
 from overnight.config.spawn import overnight_argv
 from overnight.coordinator.progress import PlainProgress, TaskRow, table
 from overnight.coordinator.stack import Stack
+from overnight.coordinator.states import State
 from overnight.worker.tree import set_child_subreaper
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> lis
     }
     out = []
     for rec in records:
-        doc = running.get(rec.id) if rec.state == "running" else None
+        doc = running.get(rec.id) if rec.state == State.RUNNING else None
         verdict = rec.checkpoint.last_verdict
         text = ""
         if verdict is not None:
@@ -199,7 +200,8 @@ def _run(
 ) -> UpResult:
     from overnight.coordinator.control import ensure_envelope, submit_folders
     from overnight.coordinator.report import envelope_lines, render_plain
-    from overnight.coordinator.taskstore import PAUSED, TERMINAL, TaskStore
+    from overnight.coordinator.states import SETTLED
+    from overnight.coordinator.taskstore import TaskStore
 
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
@@ -235,10 +237,10 @@ def _run(
         _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, me, out)
         records = [r for r in (store.get(i) for i in ids) if r is not None]
         render_plain(records, out, envelope_lines(client, keys.namespace, records))
-        states = {r.id: r.state for r in records}
+        states = {r.id: r.state.value for r in records}
         if stopper.signum:
             return UpResult(128 + stopper.signum, states)
-        done = all(r.state in TERMINAL or r.state == PAUSED for r in records)
+        done = all(r.state in SETTLED for r in records)
         return UpResult(EXIT_OK if done or not opts.exit_when_done else EXIT_REFUSED, states)
     finally:
         _release_instance(client, keys, me)
@@ -261,7 +263,7 @@ def _watch(
     from rich.live import Live
 
     from overnight.coordinator.control import maintain
-    from overnight.coordinator.taskstore import PAUSED, TERMINAL
+    from overnight.coordinator.states import SETTLED
     from overnight.worker.envelope import CallEnvelope
 
     console = Console(file=out)
@@ -297,9 +299,7 @@ def _watch(
             else:
                 for line in plain.changes(rows):
                     print(line, file=out, flush=True)
-            if opts.exit_when_done and all(
-                r.state in TERMINAL or r.state == PAUSED for r in records
-            ):
+            if opts.exit_when_done and all(r.state in SETTLED for r in records):
                 return
             stopper.event.wait(REFRESH_SEC)
     finally:

@@ -17,9 +17,10 @@ from overnight.coordinator.loop import (
     build_prompt,
     lost_step_decision,
 )
+from overnight.coordinator.states import PAUSED, QUEUED
 from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import PAUSED, Checkpoint, InFlight, Memory, Runner, TaskStore
+from overnight.coordinator.taskstore import Checkpoint, InFlight, Memory, Runner, TaskStore
 from overnight.worker import receipts
 
 PY = sys.executable
@@ -139,7 +140,7 @@ def test_prompt_names_exactly_the_unmet_rules(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("on_unknown", "lost", "state"),
-    [("pause", 0, PAUSED), ("retry", 0, "queued"), ("retry", 2, PAUSED)],
+    [("pause", 0, PAUSED), ("retry", 0, QUEUED), ("retry", 2, PAUSED)],
 )
 def test_lost_step_decision(on_unknown: str, lost: int, state: str) -> None:
     cp = Checkpoint(

@@ -1,14 +1,14 @@
--- Create a batch of tasks at once, or none if any id names a live task.
+-- Create a batch of tasks at once, or none if any id names a task that may not be replaced.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
 -- KEYS[1] task index (zset)   KEYS[2] receipt stream
 -- KEYS[3i], KEYS[3i+1], KEYS[3i+2] task hash, claim key, charged set of task i (i = 1..n)
 -- ARGV[1] now (unix seconds)   ARGV[2] receipt stream maxlen
 -- ARGV[5i-2..5i+2] of task i: id, spec JSON, run nonce, RQ queue, receipt body (task_submitted)
--- Returns {1} or {0, id} for the first id that is live.
-local live = {queued = true, running = true, paused_for_reconciliation = true}
+-- Returns {1} or {0, id} for the first id whose record may not be replaced (a live task).
 local n = (#KEYS - 2) / 3
 for i = 1, n do
   local state = redis.call('HGET', KEYS[3 * i], 'state')
-  if state and live[state] then return {0, ARGV[5 * i - 2]} end
+  if state and not LEGAL.queued[state] then return {0, ARGV[5 * i - 2]} end
 end
 for i = 1, n do
   local hash = KEYS[3 * i]

@@ -1,0 +1,176 @@
+"""The task lifecycle table, and every task script held to it on fakeredis and on real Redis.
+
+For each script that changes a state, every (current state, target) pair is tried against a
+record put in that state by hand: the script writes exactly when the table allows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from overnight.config.keys import Keys
+from overnight.coordinator.states import (
+    LIVE,
+    SETTLED,
+    TERMINAL,
+    TRANSITIONS,
+    State,
+    legal,
+    lua_prelude,
+)
+from overnight.coordinator.taskfile import Rule, TaskSpec
+from overnight.coordinator.taskstore import Checkpoint, Runner, TaskIdTaken, TaskStore
+
+TOKEN = "tok"
+
+
+@pytest.fixture(params=["fake", "real"])
+def client(request: pytest.FixtureRequest) -> redis.Redis:
+    return request.getfixturevalue("fake" if request.param == "fake" else "r")  # type: ignore[no-any-return]
+
+
+def test_the_sets() -> None:
+    assert set(State) == TERMINAL | LIVE
+    assert not TERMINAL & LIVE
+    assert TERMINAL | {State.PAUSED} == SETTLED
+    assert State.AGENT_FAILED in TERMINAL
+    assert [s.value for s in State if s not in TERMINAL] == [
+        "queued",
+        "running",
+        "paused_for_reconciliation",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("op", "source", "target", "ok"),
+    [
+        ("create", None, "queued", True),
+        ("create", "expired", "queued", True),
+        ("create", "paused_for_reconciliation", "queued", False),
+        ("create", "running", "queued", False),
+        ("claim", "queued", "running", True),
+        ("claim", "paused_for_reconciliation", "running", False),
+        ("save", "running", "running", True),
+        ("save", "running", "agent_failed", True),
+        ("save", "running", "paused_for_reconciliation", True),
+        ("save", "running", "aborted", False),
+        ("save", "running", "queued", False),
+        ("save", "finished_verified", "finished_verified", False),
+        ("orphan", "running", "queued", True),
+        ("orphan", "running", "expired", True),
+        ("orphan", "running", "finished_verified", False),
+        ("orphan", "queued", "queued", False),
+        ("resume", "paused_for_reconciliation", "queued", True),
+        ("resume", "running", "queued", False),
+        ("abort", "queued", "aborted", True),
+        ("abort", "running", "aborted", True),
+        ("abort", "halted_stuck", "aborted", False),
+        ("abort", "queued", "expired", False),
+        ("save", "running", "no-such-state", False),
+    ],
+)
+def test_legal(op: str, source: str | None, target: str, ok: bool) -> None:
+    assert legal(op, source, target) is ok  # type: ignore[arg-type]
+
+
+def test_nothing_leaves_a_terminal_state_but_a_new_submit() -> None:
+    for op, rows in TRANSITIONS.items():
+        for sources in rows.values():
+            assert op == "create" or not sources & TERMINAL, op
+
+
+def test_prelude_is_the_table_in_lua() -> None:
+    text = lua_prelude("resume")
+    assert text.startswith("local LEGAL = {queued = {paused_for_reconciliation = true}}\n")
+    assert "agent_failed = true" in text.splitlines()[1]
+    assert lua_prelude(None).startswith("local LEGAL = {}\n")
+
+
+def _spec(tmp_path: Path) -> TaskSpec:
+    return TaskSpec(
+        assignment="x",
+        workdir=str(tmp_path),
+        agent=["true"],
+        max_calls=3,
+        verifier=[Rule(name="r", run=["true"])],
+    )
+
+
+def _put(client: redis.Redis, store: TaskStore, task_id: str, state: State, claimed: bool) -> None:
+    """Force the record into ``state`` at attempt 1, its claim held under TOKEN or absent."""
+    client.hset(store.keys.task(task_id), mapping={"state": state.value, "attempt": "1"})
+    claim = store.keys.task_claim(task_id)
+    if claimed:
+        client.set(claim, TOKEN, px=60_000)
+    else:
+        client.delete(claim)
+
+
+def _state(client: redis.Redis, store: TaskStore, task_id: str) -> str:
+    return str(client.hget(store.keys.task(task_id), "state"))
+
+
+def _try(call: Callable[[], object]) -> bool:
+    ok = call()
+    return bool(ok[0] if isinstance(ok, tuple) else ok)
+
+
+def _write(store: TaskStore, op: str, task_id: str, target: State) -> Callable[[], object]:
+    rec = store.get(task_id)
+    assert rec is not None
+    cp = Checkpoint()
+    if op == "claim":
+        return lambda: store.claim(task_id, 1, "other", 5.0, Runner())[0] is not None
+    if op == "save":
+        return lambda: store.save(task_id, TOKEN, cp, state=target, detail="d")
+    if op == "orphan":
+        return lambda: store.orphan(rec, target, cp, "d", 2)
+    if op == "resume":
+        return lambda: store.resume(rec, cp)
+    return lambda: store.abort(task_id, "d")
+
+
+TARGETS: dict[str, list[State]] = {
+    "claim": [State.RUNNING],
+    "save": list(State),
+    "orphan": list(State),
+    "resume": [State.QUEUED],
+    "abort": [State.ABORTED],
+}
+
+
+@pytest.mark.parametrize("op", sorted(TARGETS))
+def test_each_script_writes_exactly_what_the_table_allows(
+    client: redis.Redis, namespace: str, tmp_path: Path, op: str
+) -> None:
+    store = TaskStore(client, Keys(namespace))
+    [rec] = store.create([_spec(tmp_path)], "q")
+    for source in State:
+        for target in TARGETS[op]:
+            # The save script's holder keeps its claim whatever the state, so the refusals
+            # seen are the table's, not a lost claim's.
+            _put(client, store, rec.id, source, claimed=op == "save")
+            wrote = _try(_write(store, op, rec.id, target))
+            assert wrote is legal(op, source, target), (source, target)  # type: ignore[arg-type]
+            assert _state(client, store, rec.id) == (target if wrote else source)
+
+
+def test_create_refuses_to_replace_a_live_task(
+    client: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    store = TaskStore(client, Keys(namespace))
+    [rec] = store.create([_spec(tmp_path)], "q")
+    spec = _spec(tmp_path).model_copy(update={"id": rec.id})
+    for source in State:
+        _put(client, store, rec.id, source, claimed=False)
+        try:
+            store.create([spec], "q")
+            replaced = True
+        except TaskIdTaken:
+            replaced = False
+        assert replaced is legal("create", source, State.QUEUED), source
+        assert _state(client, store, rec.id) == (State.QUEUED if replaced else source)
