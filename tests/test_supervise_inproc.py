@@ -75,7 +75,7 @@ def test_a_hang_in_process_is_killed_and_reaped(
     t = time.monotonic()
     result = run_supervised(r, Keys(namespace), spec, on_output=lambda line: None)
     assert result.exit_code == 3 and result.doc.note.startswith("heartbeat-gap-")
-    assert 1.0 <= time.monotonic() - t < 5
+    assert time.monotonic() - t >= 1.0
     found = read_pids(pids, 2)
     assert_all_gone(found, timeout=1)
     assert not set(found) & set(_zombie_children())
