@@ -251,6 +251,7 @@ def reconcile_command(task_id: str, action: str | None) -> None:
     from overnight.config.context import redis_client, rq_connection, settings
     from overnight.coordinator.dispatch import enqueue, recover
     from overnight.coordinator.states import PAUSED, RUNNING
+    from overnight.coordinator.taskstore import TaskRefused
 
     if action is None:
         raise click.UsageError("say --resume or --abort")
@@ -260,17 +261,23 @@ def reconcile_command(task_id: str, action: str | None) -> None:
         recover(redis_client(), rq_connection(), store.keys, settings())
         rec = _record(store, task_id)
     if action == "abort":
-        ok, _why = store.abort(task_id, "aborted by overnight reconcile")
-        if not ok:
-            raise CommandError(f"task {task_id!r} has already ended ({rec.state})", EXIT_USAGE)
+        try:
+            store.abort(task_id, "aborted by overnight reconcile")
+        except TaskRefused:
+            raise CommandError(
+                f"task {task_id!r} has already ended ({rec.state})", EXIT_USAGE
+            ) from None
         _cancel_job(rec)
     else:
         if rec.state != PAUSED:
             raise CommandError(f"task {task_id!r} is {rec.state}, not paused", EXIT_USAGE)
         cp = rec.checkpoint.model_copy(update={"in_flight": None, "lost_leases": 0})
-        ok, why = store.resume(rec, cp)
-        if not ok:
-            raise CommandError(f"task {task_id!r} changed meanwhile ({why}); try again", EXIT_USAGE)
+        try:
+            store.resume(rec, cp)
+        except TaskRefused as exc:
+            raise CommandError(
+                f"task {task_id!r} changed meanwhile ({exc.why}); try again", EXIT_USAGE
+            ) from None
         enqueue(rq_connection(), [_record(store, task_id)], settings().namespace)
     click.echo(_status_json(store, _record(store, task_id)))
 

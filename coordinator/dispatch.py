@@ -40,7 +40,13 @@ from overnight.coordinator.loop import (
 )
 from overnight.coordinator.states import QUEUED, RUNNING, State
 from overnight.coordinator.steps import StepRunner, supervised_runner
-from overnight.coordinator.taskstore import Runner, TaskCorrupt, TaskRecord, TaskStore
+from overnight.coordinator.taskstore import (
+    Runner,
+    TaskCorrupt,
+    TaskRecord,
+    TaskRefused,
+    TaskStore,
+)
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 
 if TYPE_CHECKING:
@@ -234,11 +240,14 @@ def recover(
             else:
                 new, detail = lost_step_decision(cp, rec.spec.on_unknown, settings.max_lost_leases)
             attempt = rec.attempt + 1 if new == QUEUED else rec.attempt
-            if store.orphan(rec, new, cp, detail, attempt):
-                log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)
-                actions.append(f"{task_id}: {new}: {detail}")
-                if new == QUEUED:
-                    requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
+            try:
+                store.orphan(rec, new, cp, detail, attempt)
+            except TaskRefused:
+                continue  # its worker came back, or another pass recovered it first
+            log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)
+            actions.append(f"{task_id}: {new}: {detail}")
+            if new == QUEUED:
+                requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
         elif state == QUEUED and now - float(updated or 0) > QUEUED_GRACE:
             rec = _readable(store, task_id)
             if rec is not None and rec.state == QUEUED and _job_gone(rq_conn, rec.job_id()):
@@ -319,9 +328,12 @@ class OvernightWorker(Worker):
         try:
             client = text_client(self.connection)
             keys = Keys(str(namespace))
-            if TaskStore(client, keys).drop_claim(str(task_id), int(attempt), retpid):
-                self.log.warning("task %s: work horse %s died mid-task", task_id, retpid)
-                recover(client, self.connection, keys, settings)
+            try:
+                TaskStore(client, keys).drop_claim(str(task_id), int(attempt), retpid)
+            except TaskRefused:
+                return  # the claim was not that horse's (any more): nothing to recover
+            self.log.warning("task %s: work horse %s died mid-task", task_id, retpid)
+            recover(client, self.connection, keys, settings)
         except Exception as exc:
             self.log.warning("task %s: recovery after horse death failed: %s", task_id, exc)
 

@@ -29,6 +29,7 @@ from overnight.coordinator.taskstore import (
     RuleResult,
     Runner,
     TaskRecord,
+    TaskRefused,
     TaskStore,
     Verdict,
     receipt_body,
@@ -48,10 +49,6 @@ class CallRefused(Exception):
         super().__init__(detail)
         self.who = who
         self.detail = detail
-
-
-class ClaimLost(Exception):
-    """The task's claim is gone: another worker, a recovery pass or an abort took over."""
 
 
 # (envelope name, kind, request id) -> None, or raise CallRefused.
@@ -123,10 +120,11 @@ class ClaimKeeper(threading.Thread):
         last_ok = time.monotonic()
         while not self._stop.wait(self.ttl / 3):
             try:
-                if not self.store.renew(self.task_id, self.token, self.ttl):
-                    self.lost.set()
-                    return
+                self.store.renew(self.task_id, self.token, self.ttl)
                 last_ok = time.monotonic()
+            except TaskRefused:
+                self.lost.set()
+                return
             except Exception as exc:  # Redis away: the claim lapses on the server too
                 if time.monotonic() - last_ok > self.ttl:
                     log.warning("task %s: claim lost: %s", self.task_id, exc)
@@ -156,10 +154,11 @@ class TaskLoop:
 
     def run(self, task_id: str, attempt: int, runner: Runner) -> str:
         """Claim the task and loop; returns the state it was left in (or why it was not run)."""
-        rec, why = self.store.claim(task_id, attempt, self.token, self.config.claim_ttl, runner)
-        if rec is None:
-            log.info("task %s attempt %s: not run: %s", task_id, attempt, why)
-            return f"skipped:{why}"
+        try:
+            rec = self.store.claim(task_id, attempt, self.token, self.config.claim_ttl, runner)
+        except TaskRefused as exc:
+            log.info("task %s attempt %s: not run: %s", task_id, attempt, exc.why)
+            return f"skipped:{exc.why}"
         self.keeper = ClaimKeeper(self.store, task_id, self.token, self.config.claim_ttl)
         self.keeper.start()
         try:
@@ -188,7 +187,7 @@ class TaskLoop:
             request_id = f"{rec.id}:{rec.run}:{cp.turn}:{cp.step}"
             try:
                 self._charge(rec, "model" if cp.step == 0 else "tool", request_id)
-            except ClaimLost:
+            except TaskRefused:
                 return "lost"
             except CallRefused as exc:
                 body = receipt_body(rec.id, who=exc.who, detail=exc.detail, step=name, turn=cp.turn)
@@ -283,13 +282,13 @@ class TaskLoop:
     # --- helpers -----------------------------------------------------------------------
     def _charge(self, rec: TaskRecord, kind: str, request_id: str) -> None:
         spec = rec.spec
-        result, _used = self.store.charge(rec.id, self.token, request_id, spec.max_calls)
-        if result == "ceiling":
-            raise CallRefused(
-                "task", f"task max_calls ({spec.max_calls}) reached; refused {kind} call"
-            )
-        if result == "lost":
-            raise ClaimLost(rec.id)
+        try:
+            self.store.charge(rec.id, self.token, request_id, spec.max_calls)
+        except TaskRefused as exc:
+            if exc.reason != "ceiling":
+                raise
+            detail = f"task max_calls ({spec.max_calls}) reached; refused {kind} call"
+            raise CallRefused("task", detail) from None
         try:
             self.consume(spec.envelope, kind, request_id)
         except CallRefused:
@@ -339,10 +338,12 @@ class TaskLoop:
     def _save(
         self, rec: TaskRecord, cp: Checkpoint, receipts: list[tuple[str, str]] | None = None
     ) -> bool:
-        ok, why = self.store.save(rec.id, self.token, cp, receipts=receipts or [])
-        if not ok:
-            log.warning("task %s: checkpoint refused (%s); stopping", rec.id, why)
-        return ok
+        try:
+            self.store.save(rec.id, self.token, cp, receipts=receipts or [])
+        except TaskRefused as exc:
+            log.warning("task %s: checkpoint refused (%s); stopping", rec.id, exc.why)
+            return False
+        return True
 
     def _end(
         self,
@@ -361,11 +362,12 @@ class TaskLoop:
             last_verdict=cp.last_verdict.model_dump() if cp.last_verdict else None,
         )
         all_receipts = [*(receipts or []), ("task_state", body)]
-        ok, why = self.store.save(
-            rec.id, self.token, cp, state=state, detail=detail, receipts=all_receipts
-        )
-        if not ok:
-            log.warning("task %s: could not end as %s (%s)", rec.id, state, why)
+        try:
+            self.store.save(
+                rec.id, self.token, cp, state=state, detail=detail, receipts=all_receipts
+            )
+        except TaskRefused as exc:
+            log.warning("task %s: could not end as %s (%s)", rec.id, state, exc.why)
             return "lost"
         log.info("task %s: %s (%s)", rec.id, state, detail)
         return state

@@ -28,7 +28,20 @@ if TYPE_CHECKING:
     import redis
     from redis.commands.core import Script
 
-ChargeResult = Literal["charged", "ceiling", "lost"]
+# Why a task script refused a write. ``state``: the record is in a state the write may not
+# come from; ``illegal``: the table has no such write at all (a bug in the caller).
+Reason = Literal[
+    "unknown",
+    "stale-attempt",
+    "state",
+    "illegal",
+    "claimed",
+    "lost",
+    "alive",
+    "ceiling",
+    "taken",
+    "not-runner",
+]
 
 
 class RuleResult(BaseModel):
@@ -184,12 +197,38 @@ class TaskCorrupt(ValueError):
         self.task_id = task_id
 
 
-class TaskIdTaken(Exception):
+class TaskRefused(Exception):
+    """A task script refused a write; ``reason`` says why and ``state`` names the state that
+    made it refuse (the record's for ``state``, the target's for ``illegal``)."""
+
+    def __init__(self, task_id: str, reason: Reason, state: str = "") -> None:
+        self.task_id, self.reason, self.state = task_id, reason, state
+        super().__init__(f"task {task_id!r}: refused: {self.why}")
+
+    @property
+    def why(self) -> str:
+        """The script's word for the refusal, e.g. ``stale-attempt`` or ``state:aborted``."""
+        return f"{self.reason}:{self.state}" if self.state else self.reason
+
+
+class TaskIdTaken(TaskRefused):
     """A submitted id names a task that is still live."""
 
     def __init__(self, task_id: str) -> None:
-        super().__init__(f"id {task_id!r} names a task that is still live")
-        self.task_id = task_id
+        super().__init__(task_id, "taken")
+
+    def __str__(self) -> str:
+        return f"id {self.task_id!r} names a task that is still live"
+
+
+def _checked(task_id: str, result: list[Any]) -> list[Any]:
+    """A script's reply ``{1, ...}``, or :class:`TaskRefused` for its ``{0, reason}``."""
+    if int(result[0]) == 1:
+        return result
+    word, _, state = str(result[1]).partition(":")
+    if word not in get_args(Reason):
+        raise ValueError(f"task {task_id!r}: script gave an unknown refusal {result[1]!r}")
+    raise TaskRefused(task_id, word, state)  # type: ignore[arg-type]
 
 
 def receipt_body(task_id: str, lease_id: str | None = None, **data: Any) -> str:
@@ -307,8 +346,11 @@ class TaskStore:
 
     def claim(
         self, task_id: str, attempt: int, token: str, ttl: float, runner: Runner
-    ) -> tuple[TaskRecord | None, str]:
-        """Take a queued task for ``attempt``; returns the record, or None and the reason."""
+    ) -> TaskRecord:
+        """Take a queued task for ``attempt`` under ``token``; returns the record.
+
+        Raises :class:`TaskRefused`: unknown, stale-attempt, state or claimed.
+        """
         body = receipt_body(task_id, state=RUNNING, attempt=attempt, worker=runner.worker)
         result = self._run(
             "claim",
@@ -323,12 +365,16 @@ class TaskStore:
                 body,
             ],
         )
-        if int(result[0]) != 1:
-            return None, str(result[1])
-        return self.get(task_id), "ok"
+        _checked(task_id, result)
+        rec = self.get(task_id)
+        if rec is None:
+            raise TaskRefused(task_id, "unknown")
+        return rec
 
-    def renew(self, task_id: str, token: str, ttl: float) -> bool:
-        return bool(self._run("renew", [self.keys.task_claim(task_id)], [token, int(ttl * 1000)]))
+    def renew(self, task_id: str, token: str, ttl: float) -> None:
+        """Extend the claim held under ``token``; raises :class:`TaskRefused` (lost)."""
+        result = self._run("renew", [self.keys.task_claim(task_id)], [token, int(ttl * 1000)])
+        _checked(task_id, result)
 
     def save(
         self,
@@ -339,9 +385,9 @@ class TaskStore:
         state: State = RUNNING,
         detail: str = "",
         receipts: Sequence[tuple[str, str]] = (),
-    ) -> tuple[bool, str]:
+    ) -> None:
         """Checkpoint a task held under ``token`` and move it to ``state`` (RUNNING: it goes
-        on); returns (ok, reason)."""
+        on). Raises :class:`TaskRefused`: illegal, lost or state."""
         args: list[Any] = [
             token,
             checkpoint.model_dump_json(),
@@ -357,41 +403,44 @@ class TaskStore:
             [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
             args,
         )
-        return int(result[0]) == 1, str(result[1]) if len(result) > 1 else "ok"
+        _checked(task_id, result)
 
-    def charge(
-        self, task_id: str, token: str, request_id: str, max_calls: int
-    ) -> tuple[ChargeResult, int]:
-        """Charge one call to the task's own ceiling, once per ``request_id``."""
+    def charge(self, task_id: str, token: str, request_id: str, max_calls: int) -> int:
+        """Charge one call to the task's own ceiling, once per ``request_id``; returns
+        ``calls_used``. Raises :class:`TaskRefused`: ceiling or lost."""
         keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
         result = self._run(
             "charge", [*keys, self.keys.task_charged(task_id)], [token, request_id, max_calls]
         )
-        code, used = int(result[0]), int(result[1])
-        return ("charged" if code == 1 else "ceiling" if code == 0 else "lost"), used
+        return int(_checked(task_id, result)[1])
 
     def uncharge(self, task_id: str, token: str, request_id: str) -> int:
+        """Give back the call charged for ``request_id``; returns ``calls_used``. Raises
+        :class:`TaskRefused` (lost)."""
         keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
-        return int(
-            self._run("uncharge", [*keys, self.keys.task_charged(task_id)], [token, request_id])
+        result = self._run(
+            "uncharge", [*keys, self.keys.task_charged(task_id)], [token, request_id]
         )
+        return int(_checked(task_id, result)[1])
 
-    def drop_claim(self, task_id: str, attempt: int, runner_pid: int) -> bool:
-        """Drop the claim held by a work horse known to be dead (``runner_pid``)."""
+    def drop_claim(self, task_id: str, attempt: int, runner_pid: int) -> None:
+        """Drop the claim held by a work horse known to be dead (``runner_pid``). Raises
+        :class:`TaskRefused`: state, stale-attempt, not-runner or lost."""
         keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
-        return bool(self._run("drop_claim", keys, [attempt, runner_pid]))
+        _checked(task_id, self._run("drop_claim", keys, [attempt, runner_pid, RUNNING.value]))
 
     def orphan(
         self, rec: TaskRecord, state: State, checkpoint: Checkpoint, detail: str, attempt: int
-    ) -> bool:
-        """Move a running task whose claim lapsed to ``state``; False if it is not orphaned."""
+    ) -> None:
+        """Move a running task whose claim lapsed to ``state``. Raises :class:`TaskRefused`:
+        illegal, alive, state or stale-attempt."""
         body = receipt_body(rec.id, state=state, detail=detail, attempt=attempt, recovered=True)
         result = self._run(
             "orphan",
             [self.keys.task(rec.id), self.keys.task_claim(rec.id), self.keys.receipts],
             [
                 rec.attempt,
-                state,
+                state.value,
                 checkpoint.model_dump_json(),
                 detail,
                 attempt,
@@ -400,9 +449,11 @@ class TaskStore:
                 body,
             ],
         )
-        return int(result[0]) == 1
+        _checked(rec.id, result)
 
-    def resume(self, rec: TaskRecord, checkpoint: Checkpoint) -> tuple[bool, str]:
+    def resume(self, rec: TaskRecord, checkpoint: Checkpoint) -> None:
+        """Queue a paused task again for its next attempt. Raises :class:`TaskRefused`:
+        state or stale-attempt."""
         attempt = rec.attempt + 1
         body = receipt_body(rec.id, state=QUEUED, attempt=attempt, reconciled="resume")
         result = self._run(
@@ -417,13 +468,14 @@ class TaskStore:
                 body,
             ],
         )
-        return int(result[0]) == 1, str(result[1]) if len(result) > 1 else "ok"
+        _checked(rec.id, result)
 
-    def abort(self, task_id: str, detail: str) -> tuple[bool, str]:
+    def abort(self, task_id: str, detail: str) -> None:
+        """End a live task as aborted. Raises :class:`TaskRefused` (state: it has ended)."""
         body = receipt_body(task_id, state=State.ABORTED, detail=detail, reconciled="abort")
         result = self._run(
             "abort",
             [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
             [detail, repr(self.clock()), STREAM_MAXLEN, body],
         )
-        return int(result[0]) == 1, str(result[1]) if len(result) > 1 else "ok"
+        _checked(task_id, result)

@@ -23,7 +23,13 @@ from overnight.coordinator.states import (
     lua_prelude,
 )
 from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import Checkpoint, Runner, TaskIdTaken, TaskStore
+from overnight.coordinator.taskstore import (
+    Checkpoint,
+    Runner,
+    TaskIdTaken,
+    TaskRefused,
+    TaskStore,
+)
 
 TOKEN = "tok"
 
@@ -115,8 +121,12 @@ def _state(client: redis.Redis, store: TaskStore, task_id: str) -> str:
 
 
 def _try(call: Callable[[], object]) -> bool:
-    ok = call()
-    return bool(ok[0] if isinstance(ok, tuple) else ok)
+    try:
+        call()
+    except TaskRefused as exc:
+        assert exc.reason in ("state", "illegal"), exc
+        return False
+    return True
 
 
 def _write(store: TaskStore, op: str, task_id: str, target: State) -> Callable[[], object]:
@@ -124,7 +134,7 @@ def _write(store: TaskStore, op: str, task_id: str, target: State) -> Callable[[
     assert rec is not None
     cp = Checkpoint()
     if op == "claim":
-        return lambda: store.claim(task_id, 1, "other", 5.0, Runner())[0] is not None
+        return lambda: store.claim(task_id, 1, "other", 5.0, Runner())
     if op == "save":
         return lambda: store.save(task_id, TOKEN, cp, state=target, detail="d")
     if op == "orphan":
@@ -174,3 +184,44 @@ def test_create_refuses_to_replace_a_live_task(
             replaced = False
         assert replaced is legal("create", source, State.QUEUED), source
         assert _state(client, store, rec.id) == (State.QUEUED if replaced else source)
+
+
+def test_refusals_are_one_exception_with_a_reason(
+    client: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    store = TaskStore(client, Keys(namespace))
+    [rec] = store.create([_spec(tmp_path)], "q")
+
+    def why(call: Callable[[], object]) -> str:
+        with pytest.raises(TaskRefused) as info:
+            call()
+        assert info.value.task_id in (rec.id, "nope")
+        return info.value.why
+
+    assert why(lambda: store.claim("nope", 1, TOKEN, 5.0, Runner())) == "unknown"
+    assert why(lambda: store.claim(rec.id, 2, TOKEN, 5.0, Runner())) == "stale-attempt"
+    assert why(lambda: store.renew(rec.id, TOKEN, 5.0)) == "lost"
+    store.claim(rec.id, 1, TOKEN, 5.0, Runner(pid=4242))
+    assert why(lambda: store.claim(rec.id, 1, TOKEN, 5.0, Runner())) == "state:running"
+    assert why(lambda: store.charge(rec.id, "other", "r0", 3)) == "lost"
+    assert [store.charge(rec.id, TOKEN, f"r{i}", 2) for i in (0, 0, 1)] == [1, 1, 2]
+    assert why(lambda: store.charge(rec.id, TOKEN, "r2", 2)) == "ceiling"
+    assert store.uncharge(rec.id, TOKEN, "r1") == 1
+    assert why(lambda: store.uncharge(rec.id, "other", "r0")) == "lost"
+    cp = Checkpoint()
+    assert why(lambda: store.save(rec.id, "other", cp)) == "lost"
+    assert why(lambda: store.save(rec.id, TOKEN, cp, state=State.ABORTED)) == "illegal:aborted"
+    assert why(lambda: store.orphan(rec, State.QUEUED, cp, "d", 2)) == "alive"
+    assert why(lambda: store.drop_claim(rec.id, 2, 4242)) == "stale-attempt"
+    assert why(lambda: store.drop_claim(rec.id, 1, 4243)) == "not-runner"
+    store.drop_claim(rec.id, 1, 4242)
+    assert why(lambda: store.drop_claim(rec.id, 1, 4242)) == "lost"
+    assert why(lambda: store.resume(rec, cp)) == "state:running"
+    store.abort(rec.id, "enough")
+    assert why(lambda: store.abort(rec.id, "again")) == "state:aborted"
+    taken = _spec(tmp_path).model_copy(update={"id": rec.id})
+    store.create([taken], "q")
+    with pytest.raises(TaskRefused) as info:
+        store.create([taken], "q")
+    assert isinstance(info.value, TaskIdTaken) and info.value.reason == "taken"
+    assert str(info.value) == f"id {rec.id!r} names a task that is still live"

@@ -1,9 +1,9 @@
 -- Give back a call charged for a request the shared envelope then refused.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] charged request ids (set)
 -- ARGV[1] claim token   ARGV[2] request id
--- Returns calls_used after the refund, or -1 if the claim is gone or not ours.
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+-- Returns {1, calls_used} after the refund, or {0, 'lost'} if the claim is gone or not ours.
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {0, 'lost'} end
 if redis.call('SREM', KEYS[3], ARGV[2]) == 1 then
-  return redis.call('HINCRBY', KEYS[1], 'calls_used', -1)
+  return {1, redis.call('HINCRBY', KEYS[1], 'calls_used', -1)}
 end
-return tonumber(redis.call('HGET', KEYS[1], 'calls_used') or '0')
+return {1, tonumber(redis.call('HGET', KEYS[1], 'calls_used') or '0')}
