@@ -189,15 +189,12 @@ def worker_command(
 def _start_reaper() -> subprocess.Popen[bytes]:
     """``overnight reaper`` as a child that gets SIGTERM if this worker dies."""
 
-    def die_with_parent() -> None:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    from overnight.worker.procs import set_pdeathsig
 
     return subprocess.Popen(
         overnight_argv("reaper"),
         stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,
+        preexec_fn=lambda: set_pdeathsig(signal.SIGTERM),
     )
 
 

@@ -10,7 +10,6 @@ checkpoint, or pauses it when the step in flight had an unknown outcome.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import math
@@ -48,6 +47,7 @@ from overnight.coordinator.taskstore import (
     TaskStore,
 )
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.procs import set_pdeathsig
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
@@ -262,10 +262,7 @@ def _die_with_parent(parent: int) -> None:
     """Ask Linux to SIGKILL this process when ``parent`` dies, so a killed worker takes
     its work horse (and the in-process supervisor) with it; the step's tree is left to
     its lease and the reaper."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not set_pdeathsig(signal.SIGKILL):
         return
     if os.getppid() != parent:
         os._exit(1)

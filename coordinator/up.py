@@ -20,7 +20,7 @@ from overnight.config.spawn import overnight_argv
 from overnight.coordinator.progress import PlainProgress, TaskRow, table
 from overnight.coordinator.stack import Stack
 from overnight.coordinator.states import State
-from overnight.worker.tree import set_child_subreaper
+from overnight.worker.procs import set_child_subreaper
 
 if TYPE_CHECKING:
     import redis

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from overnight.worker import tree
+from overnight.worker import procs, tree
 from tests.helpers import (
     assert_all_gone,
     final_doc,
@@ -211,7 +211,7 @@ def test_a_reused_pid_is_never_signalled() -> None:
         row = tree.read_proc(proc.pid)
         assert row is not None
         impostor = tree.Proc(row.pid, row.ppid, row.pgid, row.sid, row.state, row.start - 1)
-        sig = tree._Signaller()
+        sig = procs.Signaller()
         assert not sig.send(impostor, signal.SIGKILL)
         sig.close()
         time.sleep(0.05)

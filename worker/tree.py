@@ -11,121 +11,41 @@ reused between the scan and the signal is never touched.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import select
 import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any
+
+from overnight.worker.procs import (
+    TAG_VAR,
+    Proc,
+    Signaller,
+    is_child_subreaper,
+    is_tagged,
+    own_children,
+    read_proc,
+    scan,
+    set_child_subreaper,
+)
 
 log = logging.getLogger("overnight.tree")
 
-TAG_VAR = "OVERNIGHT_LEASE_ID"
-PR_SET_CHILD_SUBREAPER = 36
-PR_GET_CHILD_SUBREAPER = 37
-
-
-@dataclass(frozen=True)
-class Proc:
-    """One row of the process table, from ``/proc/PID/stat``."""
-
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    state: str
-    start: int  # clock ticks since boot
-
-    @property
-    def dead(self) -> bool:
-        return self.state in ("Z", "X")
-
-
-def read_proc(pid: int) -> Proc | None:
-    """The row for ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    # The command name may contain spaces and parentheses: split after its last ')'.
-    f = stat.rsplit(b")", 1)[1].split()
-    return Proc(pid, int(f[1]), int(f[2]), int(f[3]), f[0].decode(), int(f[19]))
-
-
-def scan() -> dict[int, Proc]:
-    """The whole process table (as far as ``/proc`` shows it)."""
-    table: dict[int, Proc] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            proc = read_proc(int(name))
-            if proc is not None:
-                table[proc.pid] = proc
-    return table
-
-
-def is_tagged(pid: int, lease_id: str) -> bool:
-    """True if ``pid``'s environment names ``lease_id`` as its lease."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read()
-    except OSError:
-        return False
-    needle = f"{TAG_VAR}={lease_id}\0".encode()
-    return env.startswith(needle) or (b"\0" + needle) in env
-
-
-def own_children() -> set[int] | None:
-    """This process's children, zombies included (``/proc/self/task/*/children``), or None
-    if ``/proc`` cannot tell for sure (no such file, or a thread came or went meanwhile,
-    which may move its children to another thread)."""
-    base = "/proc/self/task"
-    found: set[int] = set()
-    try:
-        tids = sorted(os.listdir(base))
-        for tid in tids:
-            with open(f"{base}/{tid}/children", "rb") as fh:
-                found.update(int(pid) for pid in fh.read().split())
-        if sorted(os.listdir(base)) != tids:
-            return None
-    except (OSError, ValueError):
-        return None
-    return found
-
-
-def set_child_subreaper(on: bool = True) -> bool:
-    """Make this process a child subreaper (or stop being one), so orphaned descendants
-    are re-parented to it rather than to init.
-
-    Idempotent and safe in a forked RQ work horse; returns False where unsupported.
-    """
-    libc = _libc()
-    return libc is not None and libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
-
-
-def is_child_subreaper() -> bool:
-    """True if this process is a child subreaper now."""
-    import ctypes
-
-    libc = _libc()
-    flag = ctypes.c_int(0)
-    if libc is None or libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) != 0:
-        return False
-    return bool(flag.value)
-
-
-@cache
-def _libc() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True)
-    except (OSError, AttributeError):
-        return None
+# The plumbing lives in worker.procs; these names stay importable from here.
+__all__ = [
+    "TAG_VAR",
+    "KillReport",
+    "Proc",
+    "Tree",
+    "end_tree",
+    "is_child_subreaper",
+    "is_tagged",
+    "own_children",
+    "read_proc",
+    "scan",
+    "set_child_subreaper",
+]
 
 
 @dataclass
@@ -230,67 +150,6 @@ class KillReport:
     seconds: float = 0.0
 
 
-class _Signaller:
-    """Signals processes through pidfds opened only after their start time was checked."""
-
-    def __init__(self) -> None:
-        self.fds: dict[tuple[int, int], int] = {}
-
-    def send(self, proc: Proc, sig: int) -> bool:
-        key = (proc.pid, proc.start)
-        fd = self.fds.get(key)
-        if fd is None:
-            try:
-                fd = os.pidfd_open(proc.pid)
-            except ProcessLookupError:
-                return False
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSYS, errno.EINVAL):
-                    return False
-                return self._send_plain(proc, sig)
-            current = read_proc(proc.pid)
-            if current is None or current.start != proc.start:
-                os.close(fd)  # the PID now names another process
-                return False
-            self.fds[key] = fd
-        try:
-            signal.pidfd_send_signal(fd, sig)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            log.warning("pid %d: not permitted to signal it", proc.pid)
-            return False
-        return True
-
-    @staticmethod
-    def _send_plain(proc: Proc, sig: int) -> bool:
-        current = read_proc(proc.pid)
-        if current is None or current.start != proc.start:
-            return False
-        try:
-            os.kill(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-
-    def wait_any(self, pids: Iterable[int], timeout: float, extra_fds: Iterable[int]) -> None:
-        """Sleep until one of ``pids`` exits, an ``extra_fds`` is readable, or ``timeout``."""
-        poller = select.poll()
-        wanted = set(pids)
-        for (pid, _start), fd in self.fds.items():
-            if pid in wanted:
-                poller.register(fd, select.POLLIN)
-        for fd in extra_fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(max(0, int(timeout * 1000) + 1))
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()
-
-
 def _reap(members: dict[int, Proc], keep: set[int]) -> None:
     """Collect zombies of the tree that are our own children (orphans we adopted)."""
     me = os.getpid()
@@ -321,7 +180,7 @@ def end_tree(
     if tree.exited_alone():
         report.seconds = time.monotonic() - started
         return report
-    sig = _Signaller()
+    sig = Signaller()
     wake = list(wake_fds)
     try:
         grace_end = started + grace
