@@ -158,6 +158,7 @@ def envelope_consume(client: redis.Redis, namespace: str, task_id: str, ttl: int
 def perform_task(namespace: str, task_id: str, attempt: int) -> str:
     """The RQ job: run one attempt of a task; returns the state it was left in."""
     from rq import get_current_job
+    from rq.timeouts import JobTimeoutException
 
     job = get_current_job()
     settings = current_settings()
@@ -183,7 +184,21 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
         worker=os.environ.get("RQ_WORKER_ID", ""),
         job_id=job.id if job else "",
     )
-    return loop.run(task_id, attempt, who)
+    try:
+        return loop.run(task_id, attempt, who)
+    except JobTimeoutException:
+        # RQ's timeout (the task's deadline plus a margin) fired: a step in flight has
+        # already been ended through its lease. Hand the task to recovery now, not once
+        # its claim lapses.
+        try:
+            TaskStore(client, keys).drop_claim(task_id, attempt, who.pid)
+            lines = recover(client, job.connection if job else client, keys, settings)
+        except Exception as exc:  # the claim lapses anyway, and a later pass recovers it
+            log.warning("task %s: recovery after the RQ job timeout failed: %s", task_id, exc)
+        else:
+            for line in lines:
+                log.warning("task %s: RQ job timeout; recovery: %s", task_id, line)
+        raise
 
 
 def _job_gone(rq_conn: redis.Redis, job_id: str) -> bool:

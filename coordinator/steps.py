@@ -6,14 +6,18 @@ subprocesses; in a worker every step runs under a lease through ``worker.supervi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import subprocess
+import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from overnight.worker.signals import SignalCatcher
 from overnight.worker.supervisor import StepSpec, run_supervised
 
 if TYPE_CHECKING:
@@ -102,7 +106,8 @@ def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
             lease_file=None,
             task_id=req.task_id,
         )
-        result = run_supervised(client, keys, spec, on_output=capture)
+        with alarm_ends_step() as alarm:
+            result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)
         doc = result.doc
         return StepOutcome(
             exit_code=result.exit_code,
@@ -114,6 +119,31 @@ def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
         )
 
     return run
+
+
+@contextlib.contextmanager
+def alarm_ends_step() -> Iterator[SignalCatcher | None]:
+    """While a step runs, a SIGALRM (RQ's job timeout in a work horse) ends it through its
+    lease, tree and all, like a SIGTERM to ``overnight supervise``; the handler that was in
+    place (RQ's, which raises its timeout exception) runs once the step is over.
+
+    Without a Python SIGALRM handler in place, or off the main thread, this does nothing.
+    """
+    previous = signal.getsignal(signal.SIGALRM)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    catcher = SignalCatcher()
+    old_fd = signal.set_wakeup_fd(catcher.write_fd, warn_on_full_buffer=False)
+    signal.signal(signal.SIGALRM, lambda signum, _frame: catcher.pending.append(signum))
+    try:
+        yield catcher
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.set_wakeup_fd(old_fd)
+        catcher.close()
+        if signal.SIGALRM in catcher.pending:
+            previous(signal.SIGALRM, None)
 
 
 def plain_runner(req: StepRequest) -> StepOutcome:

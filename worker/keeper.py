@@ -5,6 +5,11 @@ lease when it could have lapsed, rides out a Redis outage for up to the gap (fai
 after that), and says when the step must end and why (a :class:`worker.outcome.Outcome`).
 It never sleeps: :meth:`Keeper.next_wake` tells the supervisor's poll loop when to call
 :meth:`Keeper.tick` again.
+
+The limits are the supervisor's own: the deadline (acquire time + budget) and the gap (last
+progress seen here + gap) run on its monotonic clock from the spec it was given. Redis can
+only end a step sooner (its liveness key gone, the lease ended elsewhere), never later: a
+``deadline_unix`` or a TTL pushed ahead by whoever holds the token changes nothing here.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from overnight.worker import outcome
 from overnight.worker.clients import redis_errors
@@ -22,7 +28,13 @@ log = logging.getLogger("overnight.supervisor")
 
 
 class Keeper:
-    """The supervisor's hold on one running lease (``doc``, just acquired at ``now``)."""
+    """The supervisor's hold on one running lease (``doc``, just acquired at ``now``).
+
+    ``deadline`` and ``gap`` are the spec's budget and gap in seconds. ``redis_beats``: the
+    child may also beat through Redis itself (it holds the lease token), so a newer
+    ``heartbeat_unix`` read back counts as progress, placed on the local clock and never
+    later than the read; the deadline never moves. ``clock`` is the monotonic clock.
+    """
 
     def __init__(
         self,
@@ -34,22 +46,54 @@ class Keeper:
         beat_while_alive: bool,
         host: str,
         now: float,
+        redis_beats: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.leases = leases
         self.doc = doc
         self.lease_id, self.token = doc.lease_id, doc.token
         self.gap = gap
         self.beat_while_alive = beat_while_alive
+        self.redis_beats = redis_beats
         self.host = host
+        self.clock = clock
         self.errors = redis_errors()
         self.min_interval = min(0.25, gap / 4)
         self.alive_interval = max(0.05, min(gap / 4, 10.0))
         self.retry_interval = max(0.02, min(0.1, gap / 10))
-        self.beat_pending = False
-        self.last_beat = now
-        self.lapse_at = now + min(gap, deadline)
+        self._beat_pending = False
+        self.last_beat = now  # our last beat written to Redis (or the acquire)
+        self.beat_done = now  # when that write returned
+        self.deadline_at = now + deadline
+        self.last_seen = now  # the last progress seen here
+        self.heartbeat_unix = doc.heartbeat_unix  # the newest one read back from Redis
+        self.lapse_at = now + min(gap, deadline)  # when Redis's liveness key could lapse
         self.unreachable_since: float | None = None
         self.retry_at = 0.0
+
+    @property
+    def beat_pending(self) -> bool:
+        """A beat is owed to Redis; setting it records progress (output, a beat) seen now."""
+        return self._beat_pending
+
+    @beat_pending.setter
+    def beat_pending(self, owed: bool) -> None:
+        if owed:
+            self.last_seen = max(self.last_seen, self.clock())
+        self._beat_pending = owed
+
+    def local_lapse(self, now: float) -> str | None:
+        """Why the step is over on the supervisor's own clock at ``now``, or None.
+
+        ``budget-exceeded`` once the deadline is crossed, else ``heartbeat-gap-X.Xs`` once
+        no progress was seen for the gap (never while the child merely being alive counts).
+        """
+        if now >= self.deadline_at:
+            return "budget-exceeded"
+        silent = now - self.last_seen
+        if not self.beat_while_alive and silent >= self.gap:
+            return f"heartbeat-gap-{silent:.1f}s"
+        return None
 
     def attach(self, pid: int, ticks: int | None) -> None:
         """Record the started child on the lease (and on the local copy of the document)."""
@@ -60,11 +104,13 @@ class Keeper:
             log.warning("lease=%s host=%s: attach refused: %s", self.lease_id, self.host,
                         exc.reason)  # fmt: skip
         except self.errors:
-            self._unreachable(time.monotonic())
+            self._unreachable(self.clock())
 
     def next_wake(self) -> float:
         """The next monotonic time :meth:`tick` has something to do."""
-        wake = self.lapse_at
+        wake = min(self.lapse_at, self.deadline_at)
+        if not self.beat_while_alive:
+            wake = min(wake, self.last_seen + self.gap)
         if self.beat_pending:
             wake = min(wake, self.last_beat + self.min_interval)
         if self.beat_while_alive:
@@ -77,6 +123,15 @@ class Keeper:
         """Do what is due at ``now``; an outcome if the step must end."""
         if self.beat_while_alive and now >= self.last_beat + self.alive_interval:
             self.beat_pending = True
+        if self.local_lapse(now) is not None:
+            if self.redis_beats and self.unreachable_since is None:
+                # The child may have beaten through Redis meanwhile: look before ending.
+                ended = self._probe()
+                if ended is not None:
+                    return ended
+            reason = self.local_lapse(now)
+            if reason is not None:
+                return self._lapsed_here(reason)
         if self.unreachable_since is not None:
             if now - self.unreachable_since >= self.gap:
                 return self._lost(f"Redis unreachable for {now - self.unreachable_since:.1f}s")
@@ -90,12 +145,12 @@ class Keeper:
             ended = self._beat()
             if ended is not None or self.unreachable_since is not None:
                 return ended
-        if time.monotonic() >= self.lapse_at:
+        if self.clock() >= self.lapse_at:
             return self._probe()
         return None
 
     def _beat(self) -> Outcome | None:
-        t = time.monotonic()
+        t = self.clock()
         try:
             secs = self.leases.beat(self.lease_id, self.token)
         except LeaseRefused as exc:
@@ -104,13 +159,14 @@ class Keeper:
             self._unreachable(t)
             return None
         self._reachable()
-        self.beat_pending = False
+        self._beat_pending = False
         self.last_beat = t
+        self.beat_done = self.clock()
         self.lapse_at = t + secs
         return None
 
     def _probe(self) -> Outcome | None:
-        t = time.monotonic()
+        t = self.clock()
         try:
             pttl, doc, server_now = self.leases.probe(self.lease_id)
         except LeaseCorrupt as exc:
@@ -123,6 +179,11 @@ class Keeper:
             return self._lost("the lease record is gone")
         if doc.status != "running":
             return self._ended_elsewhere(doc.status)
+        if self.redis_beats and doc.heartbeat_unix > self.heartbeat_unix:
+            self.heartbeat_unix = doc.heartbeat_unix
+            at = t - max(0.0, server_now - doc.heartbeat_unix)
+            if at > self.beat_done:  # not our own beat (that one returned by beat_done)
+                self.last_seen = max(self.last_seen, at)
         if pttl >= 0:
             self.lapse_at = t + max(pttl, 1) / 1000
             return None
@@ -133,6 +194,11 @@ class Keeper:
         reason = lapsed_reason(doc, server_now)
         log.warning("lease=%s host=%s: lapsed (%s); ending the tree", self.lease_id, self.host,
                     reason)  # fmt: skip
+        return outcome.lapsed(reason)
+
+    def _lapsed_here(self, reason: str) -> Outcome:
+        log.warning("lease=%s host=%s: %s on the supervisor's clock; ending the tree",
+                    self.lease_id, self.host, reason)  # fmt: skip
         return outcome.lapsed(reason)
 
     def _refused(self, reason: str) -> Outcome | None:
@@ -158,12 +224,12 @@ class Keeper:
             self.unreachable_since = t
             log.warning("lease=%s host=%s: Redis unreachable; the child keeps running for "
                         "up to %.1fs", self.lease_id, self.host, self.gap)  # fmt: skip
-        self.retry_at = time.monotonic() + self.retry_interval
+        self.retry_at = self.clock() + self.retry_interval
 
     def _reachable(self) -> None:
         if self.unreachable_since is not None:
             log.warning("lease=%s host=%s: Redis reachable again after %.2fs", self.lease_id,
-                        self.host, time.monotonic() - self.unreachable_since)  # fmt: skip
+                        self.host, self.clock() - self.unreachable_since)  # fmt: skip
             self.unreachable_since = None
 
     # --- the end ----------------------------------------------------------------------------
@@ -176,7 +242,7 @@ class Keeper:
         """
         if not ended.write:
             return False, ended, self._final_doc(ended)
-        now = time.monotonic()
+        now = self.clock()
         since = self.unreachable_since if self.unreachable_since is not None else now
         give_up = max(since + self.gap, now + (max(self.gap, 1.0) if ended.lost else 0))
         while True:
@@ -194,7 +260,7 @@ class Keeper:
                             self.lease_id, self.host, exc)  # fmt: skip
                 return True, ended, self._final_doc(ended)
             except self.errors:
-                if time.monotonic() >= give_up:
+                if self.clock() >= give_up:
                     break
                 time.sleep(self.retry_interval)
         log.error("lease=%s host=%s: could not record the end (%s); lease lost",
