@@ -107,6 +107,7 @@ def service_argv(command: list[str], tasks: Path) -> list[str]:
     return [str(tasks) if a == "/tasks" else a for a in argv]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_compose_topology_runs_the_example_tasks(tmp_path: Path) -> None:
     """Every service's own command, with its own environment, as local processes."""

@@ -31,6 +31,8 @@ from tests.helpers import (
 )
 
 PY = sys.executable
+# Every test here restarts or kills Redis, or waits out real gaps and deadlines.
+pytestmark = pytest.mark.slow
 
 
 def client_of(server: Any, timeout: float = 0.5) -> redis.Redis:

@@ -7,6 +7,7 @@ import pytest
 from bench.soak import run_soak
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_soak_kills_lose_double_and_orphan_nothing() -> None:
     result = run_soak(seconds=20, workers=3, seed=7)

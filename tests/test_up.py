@@ -46,6 +46,7 @@ def copy_examples(tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_demo_shows_the_four_outcomes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
@@ -64,6 +65,7 @@ def test_demo_shows_the_four_outcomes(tmp_path: Path) -> None:
     assert "envelope default: remaining 0" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_up_runs_a_folder_to_its_end_states_and_leaves_nothing(
     tmp_path: Path, env: dict[str, str], namespace: str
@@ -90,6 +92,7 @@ def test_up_runs_a_folder_to_its_end_states_and_leaves_nothing(
     assert '"finished_verified"' in status.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_second_up_refuses_and_sigterm_stops_everything(
     tmp_path: Path, env: dict[str, str], namespace: str
