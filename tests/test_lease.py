@@ -35,6 +35,13 @@ def leases(client: redis.Redis, namespace: str) -> Leases:
     return Leases(client, Keys(namespace))
 
 
+@pytest.fixture
+def real(r: redis.Redis, namespace: str) -> Leases:
+    """The holder's end checks its end key with redis.sha1hex, which fakeredis lacks: its
+    tests run on real Redis only."""
+    return Leases(r, Keys(namespace))
+
+
 def _receipts(leases: Leases) -> list[dict[str, object]]:
     rows = leases.client.xrange(leases.keys.receipts)
     return [{"kind": f["kind"], **json.loads(f["data"])} for _id, f in rows]
@@ -93,27 +100,27 @@ def test_beat_is_capped_at_the_deadline(leases: Leases) -> None:
     assert leases.beat(doc.lease_id, doc.token) <= 2.0
 
 
-def test_terminal_status_is_final(leases: Leases) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=5)
-    leases.end(doc.lease_id, doc.token, "done", "worker-complete", exit_code=0)
+def test_terminal_status_is_final(real: Leases) -> None:
+    doc = real.acquire(budget_sec=60, gap_sec=5)
+    real.end(doc.lease_id, doc.token, "done", "worker-complete", exit_code=0)
     for status in ("killed", "expired", "done"):
         with pytest.raises(LeaseRefused) as err:
-            leases.end(doc.lease_id, doc.token, status, "again")  # type: ignore[arg-type]
+            real.end(doc.lease_id, doc.token, status, "again")  # type: ignore[arg-type]
         assert err.value.reason == "already-ended:done"
-    after = leases.get(doc.lease_id)
+    after = real.get(doc.lease_id)
     assert after is not None
     assert (after.status, after.note, after.exit_code) == ("done", "worker-complete", 0)
-    assert after.ended_unix is not None and not leases.is_alive(doc.lease_id)
+    assert after.ended_unix is not None and not real.is_alive(doc.lease_id)
 
 
-def test_beat_and_note_after_end_are_refused(leases: Leases) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=5)
-    leases.end(doc.lease_id, doc.token, "killed", "worker-exit-3", exit_code=3)
+def test_beat_and_note_after_end_are_refused(real: Leases) -> None:
+    doc = real.acquire(budget_sec=60, gap_sec=5)
+    real.end(doc.lease_id, doc.token, "killed", "worker-exit-3", exit_code=3)
     with pytest.raises(LeaseRefused) as err:
-        leases.beat(doc.lease_id, doc.token)
+        real.beat(doc.lease_id, doc.token)
     assert err.value.reason == "not-running:killed"
     with pytest.raises(LeaseRefused):
-        leases.set_note(doc.lease_id, doc.token, "late")
+        real.set_note(doc.lease_id, doc.token, "late")
 
 
 def test_beat_after_the_liveness_key_lapsed_is_refused(leases: Leases) -> None:
@@ -135,13 +142,13 @@ def test_unknown_lease_is_refused(leases: Leases) -> None:
     assert err.value.reason == "unknown"
 
 
-def test_an_ended_lease_writes_exactly_one_receipt(leases: Leases) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=5, task_id="t1")
-    leases.end(doc.lease_id, doc.token, "expired", "budget-exceeded", exit_code=2,
+def test_an_ended_lease_writes_exactly_one_receipt(real: Leases) -> None:
+    doc = real.acquire(budget_sec=60, gap_sec=5, task_id="t1")
+    real.end(doc.lease_id, doc.token, "expired", "budget-exceeded", exit_code=2,
                receipt_kind="subprocess_lease_expired")  # fmt: skip
     with pytest.raises(LeaseRefused):
-        leases.end(doc.lease_id, doc.token, "killed", "again")
-    ended = [rc for rc in _receipts(leases) if rc["kind"] != "lease_acquired"]
+        real.end(doc.lease_id, doc.token, "killed", "again")
+    ended = [rc for rc in _receipts(real) if rc["kind"] != "lease_acquired"]
     assert len(ended) == 1
     assert ended[0]["kind"] == "subprocess_lease_expired"
     assert ended[0]["lease_id"] == doc.lease_id and ended[0]["task_id"] == "t1"
@@ -150,15 +157,38 @@ def test_an_ended_lease_writes_exactly_one_receipt(leases: Leases) -> None:
     assert ended[0]["data"] == want
 
 
-def test_only_if_lapsed_waits_for_the_lapse(leases: Leases) -> None:
+def test_reap_waits_for_the_lapse_and_never_writes_done(leases: Leases) -> None:
     doc = leases.acquire(budget_sec=60, gap_sec=0.2)
-    with pytest.raises(LeaseRefused) as err:
-        leases.end(doc.lease_id, doc.token, "killed", "reaped: x", only_if_lapsed=True)
-    assert err.value.reason == "alive"
+    assert leases.reap([(doc.lease_id, doc.token, "killed", "reaped: x")]) == ["alive"]
     wait_for(lambda: not leases.is_alive(doc.lease_id), timeout=5)
-    leases.end(doc.lease_id, doc.token, "killed", "reaped: x", only_if_lapsed=True,
-               writer="reaper")  # fmt: skip
+    assert leases.reap([(doc.lease_id, doc.token, "done", "reaped: x")]) == ["bad-status"]
+    assert leases.reap([(doc.lease_id, doc.token + 1, "killed", "x")]) == ["stale-token"]
+    assert leases.reap([(doc.lease_id, doc.token, "killed", "reaped: x")]) == [None]
     assert doc.lease_id not in leases.lapsed_ids()
+    assert leases.reap([(doc.lease_id, doc.token, "expired", "again")]) == ["already-ended:killed"]
+    ended = [rc for rc in _receipts(leases) if rc["kind"] != "lease_acquired"]
+    assert [rc["data"] for rc in ended] == [
+        {"status": "killed", "note": "reaped: x", "writer": "reaper", "token": doc.token}
+    ]
+
+
+def test_only_the_holder_of_the_end_key_may_end_a_lease(real: Leases) -> None:
+    doc = real.acquire(budget_sec=60, gap_sec=5)
+    stranger = Leases(real.client, real.keys)  # has the token, not the end key
+    with pytest.raises(LeaseRefused) as err:
+        stranger.end(doc.lease_id, doc.token, "done", "forged")
+    assert err.value.reason == "end-key"
+    real.end(doc.lease_id, doc.token, "done", "worker-complete", exit_code=0)
+
+
+def test_the_end_key_check_is_never_skipped_on_fakeredis(fake: redis.Redis) -> None:
+    leases = Leases(fake, Keys("unit"))
+    doc = leases.acquire(budget_sec=60, gap_sec=5)
+    # fakeredis's Lua has no redis.sha1hex: the holder's end fails rather than skip the check.
+    with pytest.raises(redis.ResponseError):
+        leases.end(doc.lease_id, doc.token, "done", "worker-complete")
+    after = leases.get(doc.lease_id)
+    assert after is not None and after.status == "running"
 
 
 def test_probe_reports_ttl_document_and_server_time(leases: Leases) -> None:

@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import procs
+from overnight.worker import procs, proof
 from overnight.worker.lease import TERMINAL, LeaseDoc, LeaseRefused, Leases
+from overnight.worker.procs import TAG_VAR, scan
 from overnight.worker.reaper import RECEIPT_KIND, lease_tag, reap_once
 from overnight.worker.receipts import read
-from overnight.worker.tree import TAG_VAR, scan
 from tests.helpers import OVERNIGHT, kill_quietly, pid_alive, wait_for
 
 ENDINGS = ("lease_ended", RECEIPT_KIND)
@@ -43,9 +43,10 @@ Spawn = Callable[..., tuple[LeaseDoc, subprocess.Popen[bytes]]]
 
 
 @pytest.fixture
-def spawn(leases: Leases) -> Iterator[Spawn]:
-    """Start ``sh -c SCRIPT`` as a supervised child would be (own session, tagged env) and
-    attach it to a fresh lease. Everything still tagged is killed afterwards."""
+def spawn(leases: Leases, keys: Keys) -> Iterator[Spawn]:
+    """Start ``sh -c SCRIPT`` as a supervised child would be (own session, tagged env),
+    attach it to a fresh lease and write the supervisor's proof for it, naming
+    ``supervisor_pid``. Everything still tagged is killed afterwards."""
     made: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def make(
@@ -67,6 +68,12 @@ def spawn(leases: Leases) -> Iterator[Spawn]:
             pgid=child.pid,
             start=procs.start_ticks(child.pid),
         )
+        ticks = procs.start_ticks(child.pid)
+        assert ticks is not None
+        sup = procs.start_ticks(supervisor_pid) if supervisor_pid > 0 else None
+        assert proof.store(keys.namespace, proof.Proof(doc.lease_id, doc.token, child.pid,
+                                                       child.pid, ticks, procs.boot_id(),
+                                                       supervisor_pid, sup or 0))  # fmt: skip
         made.append((doc.lease_id, child))
         fresh = leases.get(doc.lease_id)
         assert fresh is not None
@@ -74,6 +81,7 @@ def spawn(leases: Leases) -> Iterator[Spawn]:
 
     yield make
     for lease_id, child in made:
+        proof.remove(keys.namespace, lease_id)
         for pid in tagged(lease_id):
             kill_quietly(pid)
         kill_quietly(child.pid)
@@ -140,7 +148,8 @@ def test_reused_pid_is_ended_without_signalling_the_stranger(
         assert report.ended == 1 and report.signalled == 0
         ended = leases.get(doc.lease_id)
         assert ended is not None and ended.status == "killed"
-        assert ended.note.startswith("reaped: ") and ended.note.endswith("pid-reused")
+        # No supervisor wrote a proof for it: nothing is signalled, whatever Redis says.
+        assert ended.note.startswith("reaped: ") and ended.note.endswith("unproven: no proof")
         time.sleep(0.2)
         assert stranger.poll() is None and pid_alive(stranger.pid)
     finally:

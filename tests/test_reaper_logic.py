@@ -13,9 +13,9 @@ import pytest
 from overnight.config.keys import Keys
 from overnight.worker import procs
 from overnight.worker.lease import LeaseDoc, Leases
+from overnight.worker.procs import TAG_VAR
 from overnight.worker.reaper import RECEIPT_KIND, Facts, decide, lease_tag, reap_once
 from overnight.worker.receipts import read
-from overnight.worker.tree import TAG_VAR
 from tests.helpers import wait_for
 
 HOST = "here"
@@ -58,7 +58,7 @@ def test_nothing_to_do_for_missing_ended_or_live_leases() -> None:
 
 def test_supervisor_gone_kills_the_tree_as_killed_with_the_gap_in_the_note() -> None:
     d = decide(
-        Facts(doc=doc(), holder_same=True, holder_exists=True),
+        Facts(doc=doc(), holder_same=True, holder_exists=True, unproven=""),
         host=HOST,
         boot=BOOT,
         now=NOW,
@@ -70,7 +70,7 @@ def test_supervisor_gone_kills_the_tree_as_killed_with_the_gap_in_the_note() -> 
 
 def test_past_deadline_is_expired() -> None:
     d = decide(
-        Facts(doc=doc(deadline_unix=NOW - 1), holder_same=True),
+        Facts(doc=doc(deadline_unix=NOW - 1), holder_same=True, unproven=""),
         host=HOST,
         boot=BOOT,
         now=NOW,
@@ -85,19 +85,30 @@ def test_past_deadline_is_expired() -> None:
 
 def test_reused_pid_is_never_signalled_as_a_group() -> None:
     d = decide(
-        Facts(doc=doc(), holder_same=False, holder_exists=True),
+        Facts(doc=doc(), holder_same=False, holder_exists=True, unproven=""),
         host=HOST,
         boot=BOOT,
         now=NOW,
         hold_off=7.0,
     )
     assert (d.action, d.why, d.signal_group) == ("reap", "pid-reused", False)
-    assert rule(Facts(doc=doc()))[:2] == ("reap", "child-gone")
-    assert rule(Facts(doc=doc(holder_pid=0)))[:2] == ("reap", "never-attached")
+    assert rule(Facts(doc=doc(), unproven=""))[:2] == ("reap", "child-gone")
+    assert rule(Facts(doc=doc(holder_pid=0), unproven=""))[:2] == ("end", "never-attached")
+
+
+def test_without_a_proof_nothing_is_signalled_whatever_the_document_says() -> None:
+    for facts in (
+        Facts(doc=doc(), holder_same=True, holder_exists=True),
+        Facts(doc=doc(), holder_same=True, unproven="proof token differs"),
+        Facts(doc=doc(deadline_unix=NOW - 1), holder_same=True, unproven="no proof"),
+    ):
+        d = decide(facts, host=HOST, boot=BOOT, now=NOW, hold_off=7.0)
+        assert (d.action, d.why, d.signal_group) == ("end", "unproven", False)
+        assert d.note.endswith(f"unproven: {facts.unproven}")
 
 
 def test_a_present_supervisor_gets_its_hold_off_then_is_overruled() -> None:
-    facts = Facts(doc=doc(), holder_same=True, supervisor_present=True)
+    facts = Facts(doc=doc(), holder_same=True, supervisor_present=True, unproven="")
     lapse = doc().lapse_unix
     assert rule(facts, now=lapse + 6.9) == ("skip", "supervisor-acting", None)
     assert rule(facts, now=lapse + 7.1)[:2] == ("reap", "supervisor-stuck")

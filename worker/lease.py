@@ -179,6 +179,7 @@ class Leases:
         self._beat = register(client, "lease_beat")
         self._note = register(client, "lease_note")
         self._end = register(client, "lease_end")
+        self._reap = register(client, "lease_reap")
         # lease id -> end key of the leases this instance acquired; only a SHA-1 is in Redis.
         self._end_keys: dict[str, str] = {}
 
@@ -248,21 +249,20 @@ class Leases:
         note: str,
         *,
         exit_code: int | None = None,
-        only_if_lapsed: bool = False,
-        writer: str = "supervisor",
         receipt_kind: str = "lease_ended",
         fetch: bool = False,
     ) -> LeaseDoc | None:
-        """Write a terminal status once. Raises :class:`LeaseRefused` if someone else won.
+        """The holder's end (``lease_end.lua``): write a terminal status once, with the end key
+        this instance got at :meth:`acquire`. Raises :class:`LeaseRefused` if someone else won
+        or this instance does not hold the end key.
 
         With ``fetch``, returns the ended document, read in the same script; else None.
         """
         k = self.keys
         res = self._end(
             keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
-            args=[token, status, note, "" if exit_code is None else exit_code,
-                  "1" if only_if_lapsed else "0", writer, receipt_kind, STREAM_MAXLEN,
-                  RETENTION_SEC, procs.hostname(), "1" if fetch else "0",
+            args=[token, status, note, "" if exit_code is None else exit_code, receipt_kind,
+                  STREAM_MAXLEN, RETENTION_SEC, procs.hostname(), "1" if fetch else "0",
                   self._end_keys.get(lease_id, "")],
         )  # fmt: skip
         _check(lease_id, res)
@@ -272,15 +272,14 @@ class Leases:
         flat = res[2]
         return LeaseDoc.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
 
-    def end_many(
+    def reap(
         self,
         ends: list[tuple[str, int, Status, str]],
         *,
-        only_if_lapsed: bool = False,
-        writer: str = "supervisor",
-        receipt_kind: str = "lease_ended",
+        receipt_kind: str = "subprocess_lease_expired",
     ) -> list[str | None]:
-        """:meth:`end` for many ``(lease_id, token, status, note)`` in one round trip.
+        """The reaper's end (``lease_reap.lua``) for many ``(lease_id, token, status, note)``
+        in one round trip: each ends only if its liveness key has lapsed, never as ``done``.
 
         Each end is still its own atomic script call; returns, per item, None if it was
         written or the refusal reason.
@@ -288,17 +287,13 @@ class Leases:
         k = self.keys
         pipe = self.client.pipeline(transaction=False)
         for lease_id, token, status, note in ends:
-            self._end(
+            self._reap(
                 keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
-                args=[token, status, note, "", "1" if only_if_lapsed else "0", writer,
-                      receipt_kind, STREAM_MAXLEN, RETENTION_SEC, procs.hostname(), "0",
-                      self._end_keys.get(lease_id, "")],
+                args=[token, status, note, receipt_kind, STREAM_MAXLEN, RETENTION_SEC,
+                      procs.hostname()],
                 client=pipe,
             )  # fmt: skip
-        out: list[str | None] = []
-        for res in pipe.execute():
-            out.append(None if int(res[0]) == 1 else _text(res[1]))
-        return out
+        return [None if int(res[0]) == 1 else _text(res[1]) for res in pipe.execute()]
 
     def get(self, lease_id: str) -> LeaseDoc | None:
         """The lease document, or None if there is no such lease."""

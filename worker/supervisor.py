@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker import outcome, procs, tree
+from overnight.worker import outcome, procs, proof, tree
 from overnight.worker.child import Child, subreaper
 from overnight.worker.clients import client_for_url, io_timeout, supervisor_client, url_of
 from overnight.worker.keeper import Keeper
@@ -161,6 +161,8 @@ class _Run:
                 # Whatever went wrong here, the tree must not outlive the step.
                 self._abort(exc)
                 raise
+            finally:
+                proof.remove(self.keys.namespace, self.lease_id)
 
     def _start_and_wait(self) -> Outcome:
         early = self._pending_signal()
@@ -182,6 +184,8 @@ class _Run:
             log.warning("lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host,
                         spec.argv[0], exc)  # fmt: skip
             return outcome.not_started(exc)
+        proof.write(self.keys.namespace, self.lease_id, self.keeper.token, self.child.pid,
+                    self.child.ticks)  # fmt: skip
         self.keeper.attach(self.child.pid, self.child.ticks)
         self._mirror(self.keeper.doc)
         return self._loop(self.child)

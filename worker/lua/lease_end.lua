@@ -1,14 +1,15 @@
--- End a running lease with a terminal status, once: the first writer wins, later ones are refused.
+-- The holder ends its running lease with a terminal status, once: the first writer wins.
+-- Only the supervisor that acquired the lease holds its end key, so a child handed just the
+-- token cannot write itself a verdict. The check needs redis.sha1hex (every Redis has it;
+-- fakeredis's Lua does not, and there this script fails rather than skip the check).
 -- KEYS[1] lease hash   KEYS[2] liveness key   KEYS[3] expiry index (zset)   KEYS[4] receipt stream
 -- ARGV[1] token  ARGV[2] status: done | killed | expired  ARGV[3] note
--- ARGV[4] exit code ('' = none)  ARGV[5] '1' = only if the liveness key has lapsed (the reaper)
--- ARGV[6] writer (supervisor | reaper)  ARGV[7] receipt kind  ARGV[8] receipt stream maxlen
--- ARGV[9] seconds to keep the ended document  ARGV[10] host of the writer
--- ARGV[11] '1' = also return the ended document (saves the writer a read)
--- ARGV[12] the end key whose SHA-1 acquire stored; not needed on the reaper's lapsed-only
---   path, which may not write 'done'
--- Returns {1, ended_unix} (with ARGV[11]: {1, ended_unix, HGETALL of the document}) or
---   {0, reason}: unknown | stale-token | already-ended:<status> | bad-status | alive | end-key.
+-- ARGV[4] exit code ('' = none)  ARGV[5] receipt kind  ARGV[6] receipt stream maxlen
+-- ARGV[7] seconds to keep the ended document  ARGV[8] host of the writer
+-- ARGV[9] '1' = also return the ended document (saves the writer a read)
+-- ARGV[10] the end key whose SHA-1 acquire stored
+-- Returns {1, ended_unix} (with ARGV[9]: {1, ended_unix, HGETALL of the document}) or
+--   {0, reason}: unknown | stale-token | already-ended:<status> | bad-status | end-key.
 local status = ARGV[2]
 if status ~= 'done' and status ~= 'killed' and status ~= 'expired' then
   return {0, 'bad-status'}
@@ -18,11 +19,10 @@ local doc = redis.call('HMGET', KEYS[1], 'token', 'status', 'lease_id', 'task_id
 if not doc[1] then return {0, 'unknown'} end
 if doc[1] ~= ARGV[1] then return {0, 'stale-token'} end
 if doc[2] ~= 'running' then return {0, 'already-ended:' .. doc[2]} end
-if ARGV[5] == '1' then
-  if redis.call('EXISTS', KEYS[2]) == 1 then return {0, 'alive'} end
-  if status == 'done' then return {0, 'bad-status'} end
-elseif doc[5] and doc[5] ~= '' and redis.sha1hex and redis.sha1hex(ARGV[12] or '') ~= doc[5] then
-  -- (Every Redis has redis.sha1hex; only fakeredis's Lua lacks it, and skips this check.)
+if not redis.sha1hex then
+  return redis.error_reply('lease_end: this server has no redis.sha1hex')
+end
+if not doc[5] or doc[5] == '' or redis.sha1hex(ARGV[10]) ~= doc[5] then
   return {0, 'end-key'}
 end
 local t = redis.call('TIME')
@@ -30,15 +30,15 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ended = string.format('%.6f', now)
 redis.call('HSET', KEYS[1], 'status', status, 'note', ARGV[3], 'exit_code', ARGV[4],
   'ended_unix', ended)
-redis.call('EXPIRE', KEYS[1], ARGV[9])
+redis.call('EXPIRE', KEYS[1], ARGV[7])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], doc[3])
-local receipt = cjson.encode({ts = now, host = ARGV[10], lease_id = doc[3],
+local receipt = cjson.encode({ts = now, host = ARGV[8], lease_id = doc[3],
   task_id = (doc[4] ~= '' and doc[4]) or nil,
-  data = {status = status, note = ARGV[3], exit_code = tonumber(ARGV[4]), writer = ARGV[6],
+  data = {status = status, note = ARGV[3], exit_code = tonumber(ARGV[4]), writer = 'supervisor',
           token = 0}})
 -- cjson writes numbers with 14 significant digits and a token has 16: splice in its digits.
 receipt = string.gsub(receipt, '"token":0([,}])', '"token":' .. ARGV[1] .. '%1', 1)
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'kind', ARGV[7], 'data', receipt)
-if ARGV[11] == '1' then return {1, ended, redis.call('HGETALL', KEYS[1])} end
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'kind', ARGV[5], 'data', receipt)
+if ARGV[9] == '1' then return {1, ended, redis.call('HGETALL', KEYS[1])} end
 return {1, ended}

@@ -1,0 +1,28 @@
+"""Where overnight keeps host-local state that a step must not write: one function, so the
+supervisor and the reaper always agree.
+
+Root uses ``/run/overnight``; anyone else ``$XDG_RUNTIME_DIR/overnight`` when that is set,
+else ``/tmp/overnight-<uid>``. Below it, one folder per namespace. Every folder overnight
+creates there is mode 0700 and owned by the user it runs as.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import quote
+
+
+def runtime_root() -> Path:
+    """The base folder for this user's host-local state."""
+    if os.geteuid() == 0:
+        return Path("/run/overnight")
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "overnight"
+    return Path(f"/tmp/overnight-{os.geteuid()}")
+
+
+def proof_dir(namespace: str) -> Path:
+    """The folder of the supervisor's lease proofs for ``namespace`` (see worker.proof)."""
+    return runtime_root() / f"ns-{quote(namespace, safe='')}" / "leases"

@@ -1,0 +1,134 @@
+"""What the reaper sees of this host's lapsed leases in ``/proc``, and how it ends their trees.
+
+Only leases whose supervisor left a matching proof (:mod:`worker.proof`) get here: their
+holder and its group and session count while the holder is still the very process the
+proof names; escaped descendants count by the ``OVERNIGHT_LEASE_ID`` tag in their
+environment. Pid 1, the reaper and its ancestors are never members, and every signal goes
+through a pidfd opened after the start time was checked (:class:`worker.procs.Signaller`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from overnight.worker import procs
+from overnight.worker.lease import LeaseDoc
+from overnight.worker.procs import Proc
+from overnight.worker.proof import Proof
+from overnight.worker.reaper_rule import Facts
+from overnight.worker.tree import Tree, end_tree
+
+log = logging.getLogger("overnight.reaper")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One lease to reap: its document, its proof, and whether its holder's group counts."""
+
+    doc: LeaseDoc
+    proof: Proof
+    signal_group: bool
+
+
+def observe(doc: LeaseDoc, proof: Proof | None, facts: Facts) -> Facts:
+    """Fill in what /proc says about this host's lease: is the holder the same process, and
+    is its supervisor still around (the one the proof names, else the document's)."""
+    same = procs.is_same_process(doc.holder_pid, doc.child_start_ticks, doc.boot_id)
+    holder = procs.read_proc(doc.holder_pid) if doc.holder_pid > 0 else None
+    exists = holder is not None and not holder.dead
+    if proof is not None:
+        sup = procs.read_proc(proof.supervisor_pid)
+        present = sup is not None and not sup.dead and sup.start == proof.supervisor_start_ticks
+    else:
+        sup = procs.read_proc(doc.supervisor_pid) if doc.supervisor_pid > 0 else None
+        present = sup is not None and not sup.dead
+    if present and same and holder is not None and sup is not None:
+        # A dead supervisor's child is re-parented at once, so its parent pid tells.
+        present = holder.ppid == sup.pid
+    return Facts(
+        doc=doc,
+        alive=facts.alive,
+        host_reaper_live=facts.host_reaper_live,
+        holder_same=same,
+        holder_exists=exists,
+        supervisor_present=present,
+        unproven=facts.unproven,
+    )
+
+
+def kill_trees(targets: list[Target], grace: float) -> tuple[dict[str, int], int]:
+    """End every tree together: SIGTERM, up to ``grace`` seconds, SIGKILL what is left.
+    Returns the number of processes signalled per lease id, and how many survived."""
+    trees = LapsedTrees(targets)
+    result = end_tree(trees, grace)
+    for pid in sorted(result.survivors):
+        lease_id = trees.owner.get(pid, "?")
+        log.error("lease=%s host=%s pid=%d survived SIGKILL", lease_id, procs.hostname(), pid)
+    counts: dict[str, int] = {}
+    for pid in result.signalled | result.killed:
+        lease_id = trees.owner.get(pid, "?")
+        counts[lease_id] = counts.get(lease_id, 0) + 1
+    return counts, len(result.survivors)
+
+
+class LapsedTrees(Tree):
+    """The trees of several proven lapsed leases, found together in one scan of the table.
+
+    For :func:`worker.tree.end_tree`: a process belongs to a lease if it carries the lease's
+    tag, or (while the holder the proof names is still that very process, so its group and
+    session numbers cannot have been reused) it is the holder or shares its group or
+    session; and every descendant of a member is a member. Each environment is read once
+    per process, whatever the number of leases, so a pass with many leases stays cheap.
+    """
+
+    def __init__(self, targets: Iterable[Target]) -> None:
+        super().__init__(root=0, root_start=None)
+        self.targets = {t.doc.lease_id: t for t in targets}
+        self.owner: dict[int, str] = {}
+        self.protected = procs.ancestors(os.getpid()) | {1}
+        self._tags: dict[tuple[int, int], str | None] = {}
+
+    def members(self, table: dict[int, Proc] | None = None) -> dict[int, Proc]:
+        table = procs.scan() if table is None else table
+        by_group: dict[int, list[Proc]] = {}
+        children: dict[int, list[Proc]] = {}
+        for proc in table.values():
+            by_group.setdefault(proc.pgid, []).append(proc)
+            if proc.sid != proc.pgid:
+                by_group.setdefault(proc.sid, []).append(proc)
+            children.setdefault(proc.ppid, []).append(proc)
+        keep_out = self.protected
+        found: dict[int, str] = {}
+        for lease_id, target in self.targets.items():
+            if not target.signal_group:
+                continue
+            root = table.get(target.proof.pid)
+            if root is None or root.start != target.proof.start_ticks or root.pid in keep_out:
+                continue
+            found[root.pid] = lease_id
+            for proc in by_group.get(root.pid, ()):
+                if proc.pid not in keep_out:
+                    found.setdefault(proc.pid, lease_id)
+        for proc in table.values():
+            if proc.pid not in found and proc.pid not in keep_out and not proc.dead:
+                tag = self._tag(proc)
+                if tag in self.targets:
+                    found[proc.pid] = tag
+        stack = list(found)
+        while stack:
+            pid = stack.pop()
+            for child in children.get(pid, ()):
+                if child.pid not in found and child.pid not in keep_out:
+                    found[child.pid] = found[pid]
+                    stack.append(child.pid)
+        self.owner.update(found)
+        return {pid: table[pid] for pid in found}
+
+    def _tag(self, proc: Proc) -> str | None:
+        key = (proc.pid, proc.start)
+        if key not in self._tags:
+            self._tags[key] = procs.lease_tag(proc.pid)
+        return self._tags[key]
