@@ -116,6 +116,11 @@ def _redis_permission_error(exc: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the CLI and exit with the contract's codes."""
+    from overnight.worker import procs
+
+    # First of all: a step running as this user must not read our environment or memory
+    # through /proc or ptrace (exec resets the flag, so the steps we start are dumpable).
+    procs.set_dumpable(False)
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
