@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -24,6 +25,7 @@ from overnight.worker.procs import set_child_subreaper
 
 if TYPE_CHECKING:
     import redis
+    from redis.lock import Lock
 
     from overnight.config.settings import Settings
     from overnight.coordinator.taskstore import TaskRecord
@@ -90,11 +92,15 @@ def _reachable(url: str) -> bool:
         return True  # it answered (e.g. NOAUTH): not ours to replace
 
 
-def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> None:
-    key = keys.instance("up")
-    if client.set(key, me, nx=True, px=INSTANCE_TTL_MS):
-        return
-    holder = client.get(key)
+def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> Lock:
+    """Take the namespace's ``up`` lock (redis-py's ``Lock``, holding ``me``) or refuse."""
+    from redis.lock import Lock
+
+    lock = Lock(client, keys.instance("up"), timeout=INSTANCE_TTL_MS / 1000, blocking=False,
+                thread_local=False, raise_on_release_error=False)  # fmt: skip
+    if lock.acquire(token=me):
+        return lock
+    holder = client.get(keys.instance("up"))
     holder = holder.decode() if isinstance(holder, bytes) else holder
     raise CommandError(
         f"another overnight up ({holder}) runs on namespace {keys.namespace!r}; "
@@ -103,15 +109,15 @@ def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> None:
     )
 
 
-def _renew_instance(client: redis.Redis, keys: Keys, me: str) -> None:
-    key = keys.instance("up")
-    if client.get(key) in (me, None):
-        client.set(key, me, px=INSTANCE_TTL_MS)
+def _renew_instance(lock: Lock, keys: Keys) -> None:
+    """Push the lock's TTL back to the full term; take it again if it lapsed meanwhile."""
+    from redis.exceptions import LockNotOwnedError
 
-
-def _release_instance(client: redis.Redis, keys: Keys, me: str) -> None:
-    if client.get(keys.instance("up")) == me:
-        client.delete(keys.instance("up"))
+    try:
+        lock.reacquire()
+    except LockNotOwnedError:
+        if not lock.acquire(token=lock.local.token):
+            log.warning("namespace %r: another overnight up holds the lock now", keys.namespace)
 
 
 def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> list[TaskRow]:
@@ -207,8 +213,9 @@ def _run(
     rq_conn = connect(settings, decode_responses=False)
     client.ping()
     keys = Keys(settings.namespace)
-    me = f"{os.uname().nodename}:{os.getpid()}"
-    _claim_instance(client, keys, me)
+    lock = _claim_instance(
+        client, keys, f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    )
     try:
         budget = opts.budget if opts.budget is not None else settings.budget
         if budget is not None and ensure_envelope(client, keys, budget):
@@ -234,7 +241,7 @@ def _run(
             file=sys.stderr,
         )
         store = TaskStore(client, keys)
-        _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, me, out)
+        _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, lock, out)
         records = [r for r in (store.get(i) for i in ids) if r is not None]
         render_plain(records, out, envelope_lines(client, keys.namespace, records))
         states = {r.id: r.state.value for r in records}
@@ -243,7 +250,7 @@ def _run(
         done = all(r.state in SETTLED for r in records)
         return UpResult(EXIT_OK if done or not opts.exit_when_done else EXIT_REFUSED, states)
     finally:
-        _release_instance(client, keys, me)
+        lock.release()
 
 
 def _watch(
@@ -256,7 +263,7 @@ def _watch(
     keys: Keys,
     store: Any,
     ids: list[str],
-    me: str,
+    lock: Lock,
     out: TextIO,
 ) -> None:
     from rich.console import Console
@@ -280,7 +287,7 @@ def _watch(
     try:
         while not stopper.event.is_set():
             now = time.monotonic()
-            _renew_instance(client, keys, me)
+            _renew_instance(lock, keys)
             if now >= next_maintain:
                 next_maintain = now + MAINTAIN_SEC
                 for line in maintain(client, rq_conn, settings):

@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
+from overnight.worker import procs
 from tests.helpers import OVERNIGHT, ROOT, wait_for
 
 EXPECTED = {
@@ -23,21 +25,7 @@ EXPECTED = {
 
 def processes_with(var: str, value: str) -> list[int]:
     """Live processes (zombies excluded) whose environment holds ``var=value``."""
-    needle = f"{var}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env and state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+    return sorted(procs.tagged(var, value))
 
 
 def copy_examples(tmp_path: Path) -> Path:
@@ -139,3 +127,28 @@ def test_up_help_explains() -> None:
     )
     assert proc.returncode == 0
     assert "--workers" in proc.stdout and "Ctrl-C" in proc.stdout
+
+
+def test_the_namespace_lock_is_one_holder_at_a_time_and_renewed(
+    r: redis.Redis, namespace: str
+) -> None:
+    from overnight.config.exits import EXIT_REFUSED, CommandError
+    from overnight.config.keys import Keys
+    from overnight.coordinator.up import INSTANCE_TTL_MS, _claim_instance, _renew_instance
+
+    keys = Keys(namespace)
+    first = _claim_instance(r, keys, "host-a:1:x")
+    with pytest.raises(CommandError) as refused:
+        _claim_instance(r, keys, "host-b:2:y")
+    assert refused.value.exit_code == EXIT_REFUSED and "host-a:1:x" in str(refused.value)
+    r.pexpire(keys.instance("up"), 1000)
+    _renew_instance(first, keys)
+    assert INSTANCE_TTL_MS - 2000 < r.pttl(keys.instance("up")) <= INSTANCE_TTL_MS
+    # Lapsed (up was stalled): the holder takes it back if nobody else did.
+    r.delete(keys.instance("up"))
+    _renew_instance(first, keys)
+    assert r.get(keys.instance("up")) == "host-a:1:x"
+    first.release()
+    second = _claim_instance(r, keys, "host-b:2:y")
+    second.release()
+    assert not r.exists(keys.instance("up"))
