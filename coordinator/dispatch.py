@@ -30,14 +30,9 @@ from rq.job import Job, JobStatus
 # Imported here so a forked work horse finds them loaded and starts each task at once.
 from overnight.config.context import settings as current_settings
 from overnight.config.keys import Keys
-from overnight.coordinator.loop import (
-    CallRefused,
-    Consume,
-    LoopConfig,
-    TaskLoop,
-    lost_step_decision,
-)
-from overnight.coordinator.states import QUEUED, RUNNING, State
+from overnight.coordinator.judge import expired, lost_step
+from overnight.coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop
+from overnight.coordinator.states import QUEUED, RUNNING
 from overnight.coordinator.steps import StepRunner, supervised_runner
 from overnight.coordinator.taskstore import (
     Runner,
@@ -249,14 +244,14 @@ def recover(
             rec = _readable(store, task_id)
             if rec is None:
                 continue
-            cp = rec.checkpoint.model_copy(deep=True)
-            if rec.started_unix is not None and now >= rec.started_unix + rec.spec.deadline:
-                new, detail = State.EXPIRED, f"task deadline of {rec.spec.deadline:g}s passed"
-            else:
-                new, detail = lost_step_decision(cp, rec.spec.on_unknown, settings.max_lost_leases)
+            cp, spec = rec.checkpoint, rec.spec
+            started = rec.started_unix
+            ended = None if started is None else expired(cp, spec, now, started + spec.deadline)
+            nxt = ended or lost_step(cp, spec.on_unknown, settings.max_lost_leases)
+            new, detail = nxt.state, nxt.detail
             attempt = rec.attempt + 1 if new == QUEUED else rec.attempt
             try:
-                store.orphan(rec, new, cp, detail, attempt)
+                store.orphan(rec, nxt, attempt)
             except TaskRefused:
                 continue  # its worker came back, or another pass recovered it first
             log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)

@@ -8,7 +8,6 @@ step. The loop holds the task through its claim; a :class:`ClaimKeeper` thread r
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -18,26 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.config.spawn import python_module
-from overnight.coordinator.states import PAUSED, QUEUED, State
-from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner
+from overnight.coordinator.judge import begin, expired, judge, lost_step, refused, request_id
+from overnight.coordinator.states import PAUSED, RUNNING
+from overnight.coordinator.steps import StepRequest, StepRunner
 from overnight.coordinator.taskfile import TaskSpec
-from overnight.coordinator.taskstore import (
-    AgentResult,
-    Checkpoint,
-    InFlight,
-    Memory,
-    RuleResult,
-    Runner,
-    TaskRecord,
-    TaskRefused,
-    TaskStore,
-    Verdict,
-    receipt_body,
-)
+from overnight.coordinator.taskrecord import Checkpoint, Memory, Next, Runner, TaskRecord
+from overnight.coordinator.taskstore import TaskRefused, TaskStore
 
 log = logging.getLogger("overnight.loop")
 
-STUCK_TURNS = 3
 MAX_PROMPT_ARG = 100_000  # bytes; Linux refuses a single argv/env string over 128 KiB
 MODEL_STEP = python_module("overnight.coordinator.model_step")
 
@@ -82,21 +70,6 @@ def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
             f"Output of the first failing check, {memory.rule}{how}, last lines:\n{evidence}\n"
         )
     return "\n".join(parts)
-
-
-def lost_step_decision(cp: Checkpoint, on_unknown: str, cap: int) -> tuple[State, str]:
-    """What a task whose worker died becomes: ``(state, detail)``; counts the loss."""
-    cp.lost_leases += 1
-    flight = cp.in_flight
-    if cp.lost_leases >= cap:
-        return PAUSED, f"lost {cp.lost_leases} runs (cap {cap}); reconcile to go on"
-    if flight is None:
-        return QUEUED, "worker died between steps; resuming from the checkpoint"
-    what = f"{flight.name} step of turn {flight.turn}"
-    if on_unknown == "pause":
-        return PAUSED, f"outcome of the {what} is unknown: its worker died"
-    cp.in_flight = None
-    return QUEUED, f"retrying the {what} after its worker died"
 
 
 def _clip(text: str, limit: int = MAX_PROMPT_ARG) -> str:
@@ -168,116 +141,38 @@ class TaskLoop:
 
     # --- the loop ----------------------------------------------------------------------
     def _loop(self, rec: TaskRecord) -> str:
+        """Each step: the judge decides, the store writes (before the step and after it)."""
         spec, cp = rec.spec, rec.checkpoint
         if cp.in_flight is not None:
-            state, detail = lost_step_decision(cp, spec.on_unknown, self.config.max_lost_leases)
-            if state == PAUSED:
-                return self._end(rec, cp, PAUSED, detail)
-            cp.in_flight = None
+            lost = lost_step(cp, spec.on_unknown, self.config.max_lost_leases)
+            if lost.state == PAUSED:
+                return self._write(rec, lost)
+            cp = lost.checkpoint.model_copy(update={"in_flight": None})
         deadline = (rec.started_unix or self.clock()) + spec.deadline
         while True:
             if self.keeper is not None and self.keeper.lost.is_set():
                 return "lost"
-            left = deadline - self.clock()
-            if left <= 0:
-                return self._end(
-                    rec, cp, State.EXPIRED, f"task deadline of {spec.deadline:g}s passed"
-                )
-            name = "agent" if cp.step == 0 else spec.verifier[cp.step - 1].name
-            request_id = f"{rec.id}:{rec.run}:{cp.turn}:{cp.step}"
+            now = self.clock()
+            ended = expired(cp, spec, now, deadline)
+            if ended is not None:
+                return self._write(rec, ended)
+            request = request_id(rec.id, rec.run, cp)
             try:
-                self._charge(rec, "model" if cp.step == 0 else "tool", request_id)
+                self._charge(rec, "model" if cp.step == 0 else "tool", request)
             except TaskRefused:
                 return "lost"
             except CallRefused as exc:
-                body = receipt_body(rec.id, who=exc.who, detail=exc.detail, step=name, turn=cp.turn)
-                return self._end(
-                    rec, cp, State.HALTED_AT_CALL_CEILING, exc.detail, [("call_refused", body)]
-                )
-            if cp.step == 0:
-                cp.turns = cp.turn
-            cp.in_flight = InFlight(
-                turn=cp.turn,
-                step=cp.step,
-                name=name,
-                request_id=request_id,
-                started_unix=self.clock(),
-            )
-            if not self._save(rec, cp):
+                return self._write(rec, refused(cp, spec, exc.who, exc.detail))
+            cp = begin(cp, spec, request, now)
+            if self._write(rec, Next(cp)) != RUNNING:
                 return "lost"
-            outcome = self.runner(self._request(rec, cp, min(left, self._step_deadline(spec))))
-            cp.in_flight = None
-            result = self._record(rec, cp, name, outcome)
-            if result is not None:
-                return result
-
-    def _record(self, rec: TaskRecord, cp: Checkpoint, name: str, out: StepOutcome) -> str | None:
-        spec = rec.spec
-        receipts = [
-            (
-                "step_finished",
-                receipt_body(
-                    rec.id,
-                    out.lease_id,
-                    step=name,
-                    turn=cp.turn,
-                    exit_code=out.exit_code,
-                    status=out.status,
-                    note=out.note,
-                    digest=out.digest,
-                ),
-            )
-        ]
-        if cp.step == 0:
-            cp.agent = AgentResult(
-                exit_code=out.exit_code,
-                note=out.note,
-                lease_id=out.lease_id,
-                digest=out.digest,
-                tail=out.tail,
-            )
-        else:
-            cp.results.append(
-                RuleResult(
-                    name=name,
-                    passed=out.passed,
-                    exit_code=out.exit_code,
-                    note=out.note,
-                    lease_id=out.lease_id,
-                    tail=out.tail,
-                )
-            )
-        started = rec.started_unix or self.clock()
-        if out.status == "expired" and self.clock() >= started + spec.deadline:
-            detail = f"task deadline of {spec.deadline:g}s passed during the {name} step"
-            return self._end(rec, cp, State.EXPIRED, detail, receipts)
-        cp.step += 1
-        if cp.step <= len(spec.verifier):
-            return None if self._save(rec, cp, receipts=receipts) else "lost"
-        verdict = Verdict(
-            turn=cp.turn,
-            passed=[r.name for r in cp.results if r.passed],
-            failed=[r.name for r in cp.results if not r.passed],
-        )
-        cp.last_verdict = verdict
-        receipts.append(("verdict", receipt_body(rec.id, **verdict.model_dump(), ok=verdict.ok)))
-        if verdict.ok:
-            cp.memory = None
-            return self._end(rec, cp, State.FINISHED_VERIFIED, "every rule passed", receipts)
-        first = next(r for r in cp.results if not r.passed)
-        cp.memory = Memory(
-            unmet=verdict.failed, rule=first.name, note=first.note, evidence=first.tail
-        )
-        agent_digest = cp.agent.digest if cp.agent else ""
-        fingerprint = hashlib.sha256(f"{agent_digest}|{verdict.failed}".encode()).hexdigest()[:32]
-        cp.repeats = cp.repeats + 1 if fingerprint == cp.fingerprint else 1
-        cp.fingerprint = fingerprint
-        if cp.repeats >= STUCK_TURNS:
-            detail = f"same agent output and same verdict {cp.repeats} turns running"
-            receipts.append(("task_stuck", receipt_body(rec.id, turn=cp.turn, detail=detail)))
-            return self._end(rec, cp, State.HALTED_STUCK, detail, receipts)
-        cp.turn, cp.step, cp.agent, cp.results = cp.turn + 1, 0, None, []
-        return None if self._save(rec, cp, receipts=receipts) else "lost"
+            step_deadline = min(deadline - now, self._step_deadline(spec))
+            outcome = self.runner(self._request(rec, cp, step_deadline))
+            nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline)
+            state = self._write(rec, nxt)
+            if state != RUNNING:
+                return state
+            cp = nxt.checkpoint
 
     # --- helpers -----------------------------------------------------------------------
     def _charge(self, rec: TaskRecord, kind: str, request_id: str) -> None:
@@ -335,39 +230,13 @@ class TaskLoop:
             self.config.grace,
         )
 
-    def _save(
-        self, rec: TaskRecord, cp: Checkpoint, receipts: list[tuple[str, str]] | None = None
-    ) -> bool:
+    def _write(self, rec: TaskRecord, nxt: Next) -> str:
+        """Write ``nxt``; returns the state the task is now in, or ``lost``."""
         try:
-            self.store.save(rec.id, self.token, cp, receipts=receipts or [])
+            self.store.save(rec, self.token, nxt)
         except TaskRefused as exc:
-            log.warning("task %s: checkpoint refused (%s); stopping", rec.id, exc.why)
-            return False
-        return True
-
-    def _end(
-        self,
-        rec: TaskRecord,
-        cp: Checkpoint,
-        state: State,
-        detail: str,
-        receipts: list[tuple[str, str]] | None = None,
-    ) -> str:
-        body = receipt_body(
-            rec.id,
-            state=state,
-            detail=detail,
-            turns=cp.turns,
-            attempt=rec.attempt,
-            last_verdict=cp.last_verdict.model_dump() if cp.last_verdict else None,
-        )
-        all_receipts = [*(receipts or []), ("task_state", body)]
-        try:
-            self.store.save(
-                rec.id, self.token, cp, state=state, detail=detail, receipts=all_receipts
-            )
-        except TaskRefused as exc:
-            log.warning("task %s: could not end as %s (%s)", rec.id, state, exc.why)
+            log.warning("task %s: write as %s refused (%s); stopping", rec.id, nxt.state, exc.why)
             return "lost"
-        log.info("task %s: %s (%s)", rec.id, state, detail)
-        return state
+        if not nxt.goes_on:
+            log.info("task %s: %s (%s)", rec.id, nxt.state, nxt.detail)
+        return nxt.state

@@ -1,4 +1,4 @@
-"""A task's record in Redis: its spec, state and checkpointed loop state.
+"""Reads and atomic writes of task records (the shapes are in ``taskrecord``).
 
 Every write is one Lua script in ``coordinator/lua/task_*.lua``. A running task is held
 through a claim key with a TTL that its worker renews; all of the holder's writes carry
@@ -9,24 +9,54 @@ appended by the same script as the change, so the stream never disagrees with th
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, Field, ValidationError
-
 from overnight.config.keys import Keys
 from overnight.coordinator.states import LIVE, QUEUED, RUNNING, Op, State, lua_prelude
 from overnight.coordinator.taskfile import TaskSpec
-from overnight.worker.receipts import STREAM_MAXLEN, Receipt
+
+# The record's shapes, re-exported: callers that only read tasks import them from here too.
+from overnight.coordinator.taskrecord import (
+    AgentResult,
+    Checkpoint,
+    InFlight,
+    Memory,
+    Next,
+    RuleResult,
+    Runner,
+    TaskCorrupt,
+    TaskRecord,
+    Verdict,
+    receipt_body,
+)
+from overnight.worker.receipts import STREAM_MAXLEN
 
 if TYPE_CHECKING:
     import redis
     from redis.commands.core import Script
+
+__all__ = [
+    "AgentResult",
+    "Checkpoint",
+    "InFlight",
+    "Memory",
+    "Next",
+    "Reason",
+    "RuleResult",
+    "Runner",
+    "TaskCorrupt",
+    "TaskIdTaken",
+    "TaskRecord",
+    "TaskRefused",
+    "TaskStore",
+    "Verdict",
+    "receipt_body",
+]
 
 # Why a task script refused a write. ``state``: the record is in a state the write may not
 # come from; ``illegal``: the table has no such write at all (a bug in the caller).
@@ -42,159 +72,6 @@ Reason = Literal[
     "taken",
     "not-runner",
 ]
-
-
-class RuleResult(BaseModel):
-    """One verifier rule's run in one turn."""
-
-    name: str
-    passed: bool
-    exit_code: int | None = None
-    note: str = ""
-    lease_id: str | None = None
-    tail: str = ""
-
-
-class AgentResult(BaseModel):
-    """The agent step of one turn: how it ended and a digest of what it printed."""
-
-    exit_code: int | None = None
-    note: str = ""
-    lease_id: str | None = None
-    digest: str = ""
-    tail: str = ""
-
-
-class Verdict(BaseModel):
-    """The verifier's answer for one turn."""
-
-    turn: int
-    passed: list[str] = Field(default_factory=list)
-    failed: list[str] = Field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
-
-
-class Memory(BaseModel):
-    """Counterexample memory: what the next prompt must tell the agent."""
-
-    unmet: list[str]
-    rule: str
-    note: str = ""
-    evidence: str = ""
-
-
-class InFlight(BaseModel):
-    """A step that was started and has not been recorded as ended."""
-
-    turn: int
-    step: int
-    name: str
-    request_id: str
-    started_unix: float
-
-
-class Checkpoint(BaseModel):
-    """Loop state saved after every step; ``(turn, step)`` names the next step to run."""
-
-    turn: int = 1
-    step: int = 0
-    turns: int = 0
-    in_flight: InFlight | None = None
-    agent: AgentResult | None = None
-    results: list[RuleResult] = Field(default_factory=list)
-    last_verdict: Verdict | None = None
-    memory: Memory | None = None
-    fingerprint: str | None = None
-    repeats: int = 0
-    lost_leases: int = 0
-
-
-class Runner(BaseModel):
-    """Which worker process holds the task."""
-
-    host: str = ""
-    pid: int = 0
-    worker: str = ""
-    job_id: str = ""
-
-
-class TaskRecord(BaseModel):
-    """A task as stored: what ``overnight status TASK`` shows."""
-
-    id: str
-    run: str
-    attempt: int
-    state: State
-    queue: str = ""
-    detail: str = ""
-    calls_used: int = 0
-    spec: TaskSpec
-    checkpoint: Checkpoint
-    submitted_unix: float
-    started_unix: float | None = None
-    ended_unix: float | None = None
-    updated_unix: float | None = None
-    runner: Runner | None = None
-
-    @property
-    def turns(self) -> int:
-        """Turns begun so far (a turn counts once its agent step was granted a call)."""
-        return self.checkpoint.turns
-
-    def job_id(self, attempt: int | None = None) -> str:
-        """The RQ job id of one attempt (RQ allows letters, digits, '_' and '-')."""
-        return f"{self.id}-{self.run}-{attempt or self.attempt}"
-
-    @classmethod
-    def from_hash(cls, raw: dict[str, str]) -> TaskRecord:
-        """Parse a task hash; raises :class:`TaskCorrupt` (one line) if it is unreadable."""
-        try:
-            return cls._parse(raw)
-        except (KeyError, ValueError) as exc:
-            raise TaskCorrupt(str(raw.get("id") or "?"), exc) from None
-
-    @classmethod
-    def _parse(cls, raw: dict[str, str]) -> TaskRecord:
-        def number(key: str) -> float | None:
-            value = raw.get(key)
-            return float(value) if value else None
-
-        runner = raw.get("runner")
-        return cls(
-            id=raw["id"],
-            run=raw.get("run", ""),
-            attempt=int(raw.get("attempt") or 1),
-            state=State(raw.get("state", "")),
-            queue=raw.get("queue", ""),
-            detail=raw.get("detail", ""),
-            calls_used=int(raw.get("calls_used") or 0),
-            spec=TaskSpec.model_validate_json(raw["spec"]),
-            checkpoint=Checkpoint.model_validate_json(raw.get("checkpoint") or "{}"),
-            submitted_unix=number("submitted_unix") or 0.0,
-            started_unix=number("started_unix"),
-            ended_unix=number("ended_unix"),
-            updated_unix=number("updated_unix"),
-            runner=Runner.model_validate_json(runner) if runner else None,
-        )
-
-
-class TaskCorrupt(ValueError):
-    """A task record in Redis is missing a field or holds one that does not parse."""
-
-    def __init__(self, task_id: str, exc: Exception) -> None:
-        if isinstance(exc, ValidationError):
-            err = exc.errors()[0]
-            where = ".".join(str(part) for part in err["loc"]) or exc.title
-            why = f"bad {where}: {err['msg']}"
-        elif isinstance(exc, KeyError):
-            why = f"record has no {exc.args[0]}"
-        else:
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        super().__init__(f"task {task_id!r}: unreadable record: {why}")
-        self.task_id = task_id
 
 
 class TaskRefused(Exception):
@@ -229,12 +106,6 @@ def _checked(task_id: str, result: list[Any]) -> list[Any]:
     if word not in get_args(Reason):
         raise ValueError(f"task {task_id!r}: script gave an unknown refusal {result[1]!r}")
     raise TaskRefused(task_id, word, state)  # type: ignore[arg-type]
-
-
-def receipt_body(task_id: str, lease_id: str | None = None, **data: Any) -> str:
-    """The JSON ``data`` field of a receipt, for scripts that append it themselves."""
-    rc = Receipt(kind="_", task_id=task_id, lease_id=lease_id, data=data)
-    return json.dumps(rc.model_dump(exclude={"id", "kind"}))
 
 
 @cache
@@ -376,34 +247,40 @@ class TaskStore:
         result = self._run("renew", [self.keys.task_claim(task_id)], [token, int(ttl * 1000)])
         _checked(task_id, result)
 
-    def save(
-        self,
-        task_id: str,
-        token: str,
-        checkpoint: Checkpoint,
-        *,
-        state: State = RUNNING,
-        detail: str = "",
-        receipts: Sequence[tuple[str, str]] = (),
-    ) -> None:
-        """Checkpoint a task held under ``token`` and move it to ``state`` (RUNNING: it goes
-        on). Raises :class:`TaskRefused`: illegal, lost or state."""
+    def save(self, rec: TaskRecord, token: str, nxt: Next) -> None:
+        """Write ``nxt`` for the task held under ``token``: the checkpoint, the state and the
+        receipts, and a ``task_state`` receipt when the state changes; one script call.
+
+        Raises :class:`TaskRefused`: illegal, lost or state.
+        """
+        cp = nxt.checkpoint
         args: list[Any] = [
             token,
-            checkpoint.model_dump_json(),
-            state.value,
-            detail,
+            cp.model_dump_json(),
+            nxt.state.value,
+            nxt.detail,
             repr(self.clock()),
             STREAM_MAXLEN,
         ]
-        for kind, body in receipts:
-            args += [kind, body]
+        for event in nxt.events:
+            args += [event.kind, receipt_body(rec.id, event.lease_id, **event.data)]
+        if not nxt.goes_on:
+            verdict = cp.last_verdict.model_dump() if cp.last_verdict else None
+            body = receipt_body(
+                rec.id,
+                state=nxt.state,
+                detail=nxt.detail,
+                turns=cp.turns,
+                attempt=rec.attempt,
+                last_verdict=verdict,
+            )
+            args += ["task_state", body]
         result = self._run(
             "save",
-            [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
+            [self.keys.task(rec.id), self.keys.task_claim(rec.id), self.keys.receipts],
             args,
         )
-        _checked(task_id, result)
+        _checked(rec.id, result)
 
     def charge(self, task_id: str, token: str, request_id: str, max_calls: int) -> int:
         """Charge one call to the task's own ceiling, once per ``request_id``; returns
@@ -429,11 +306,10 @@ class TaskStore:
         keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
         _checked(task_id, self._run("drop_claim", keys, [attempt, runner_pid, RUNNING.value]))
 
-    def orphan(
-        self, rec: TaskRecord, state: State, checkpoint: Checkpoint, detail: str, attempt: int
-    ) -> None:
-        """Move a running task whose claim lapsed to ``state``. Raises :class:`TaskRefused`:
-        illegal, alive, state or stale-attempt."""
+    def orphan(self, rec: TaskRecord, nxt: Next, attempt: int) -> None:
+        """Move a running task whose claim lapsed (read as ``rec``) to ``nxt`` under
+        ``attempt``. Raises :class:`TaskRefused`: illegal, alive, state or stale-attempt."""
+        state, detail = nxt.state, nxt.detail
         body = receipt_body(rec.id, state=state, detail=detail, attempt=attempt, recovered=True)
         result = self._run(
             "orphan",
@@ -441,7 +317,7 @@ class TaskStore:
             [
                 rec.attempt,
                 state.value,
-                checkpoint.model_dump_json(),
+                nxt.checkpoint.model_dump_json(),
                 detail,
                 attempt,
                 repr(self.clock()),

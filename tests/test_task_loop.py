@@ -10,13 +10,8 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.loop import (
-    CallRefused,
-    LoopConfig,
-    TaskLoop,
-    build_prompt,
-    lost_step_decision,
-)
+from overnight.coordinator.judge import lost_step
+from overnight.coordinator.loop import CallRefused, LoopConfig, TaskLoop, build_prompt
 from overnight.coordinator.states import PAUSED, QUEUED
 from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.taskfile import Rule, TaskSpec
@@ -142,14 +137,14 @@ def test_prompt_names_exactly_the_unmet_rules(tmp_path: Path) -> None:
     ("on_unknown", "lost", "state"),
     [("pause", 0, PAUSED), ("retry", 0, QUEUED), ("retry", 2, PAUSED)],
 )
-def test_lost_step_decision(on_unknown: str, lost: int, state: str) -> None:
+def test_lost_step(on_unknown: str, lost: int, state: str) -> None:
     cp = Checkpoint(
         lost_leases=lost,
         in_flight=InFlight(turn=1, step=0, name="agent", request_id="x", started_unix=0),
     )
-    got, detail = lost_step_decision(cp, on_unknown, 3)
-    assert got == state and detail
-    assert cp.lost_leases == lost + 1
+    nxt = lost_step(cp, on_unknown, 3)
+    assert nxt.state == state and nxt.detail
+    assert nxt.checkpoint.lost_leases == lost + 1 and cp.lost_leases == lost
 
 
 def test_refused_claim_runs_nothing(r: redis.Redis, namespace: str, tmp_path: Path) -> None:

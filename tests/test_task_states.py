@@ -25,6 +25,7 @@ from overnight.coordinator.states import (
 from overnight.coordinator.taskfile import Rule, TaskSpec
 from overnight.coordinator.taskstore import (
     Checkpoint,
+    Next,
     Runner,
     TaskIdTaken,
     TaskRefused,
@@ -136,9 +137,9 @@ def _write(store: TaskStore, op: str, task_id: str, target: State) -> Callable[[
     if op == "claim":
         return lambda: store.claim(task_id, 1, "other", 5.0, Runner())
     if op == "save":
-        return lambda: store.save(task_id, TOKEN, cp, state=target, detail="d")
+        return lambda: store.save(rec, TOKEN, Next(cp, target, "d"))
     if op == "orphan":
-        return lambda: store.orphan(rec, target, cp, "d", 2)
+        return lambda: store.orphan(rec, Next(cp, target, "d"), 2)
     if op == "resume":
         return lambda: store.resume(rec, cp)
     return lambda: store.abort(task_id, "d")
@@ -209,9 +210,9 @@ def test_refusals_are_one_exception_with_a_reason(
     assert store.uncharge(rec.id, TOKEN, "r1") == 1
     assert why(lambda: store.uncharge(rec.id, "other", "r0")) == "lost"
     cp = Checkpoint()
-    assert why(lambda: store.save(rec.id, "other", cp)) == "lost"
-    assert why(lambda: store.save(rec.id, TOKEN, cp, state=State.ABORTED)) == "illegal:aborted"
-    assert why(lambda: store.orphan(rec, State.QUEUED, cp, "d", 2)) == "alive"
+    assert why(lambda: store.save(rec, "other", Next(cp))) == "lost"
+    assert why(lambda: store.save(rec, TOKEN, Next(cp, State.ABORTED))) == "illegal:aborted"
+    assert why(lambda: store.orphan(rec, Next(cp, State.QUEUED), 2)) == "alive"
     assert why(lambda: store.drop_claim(rec.id, 2, 4242)) == "stale-attempt"
     assert why(lambda: store.drop_claim(rec.id, 1, 4243)) == "not-runner"
     store.drop_claim(rec.id, 1, 4242)

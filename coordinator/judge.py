@@ -1,0 +1,158 @@
+"""What a task's next write is: the rules of the turn loop as pure functions.
+
+Each takes the checkpoint (never changed in place), the spec and ``now`` (Redis server time)
+and returns a :class:`Next` for the store to write in one script call. No Redis, no clock,
+no processes: the loop and recovery ask here and write what they are told.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from overnight.coordinator.states import PAUSED, QUEUED, State
+from overnight.coordinator.taskrecord import (
+    AgentResult,
+    Checkpoint,
+    Event,
+    InFlight,
+    Memory,
+    Next,
+    RuleResult,
+    Verdict,
+)
+
+if TYPE_CHECKING:
+    from overnight.coordinator.steps import StepOutcome
+    from overnight.coordinator.taskfile import TaskSpec
+
+STUCK_TURNS = 3
+
+
+def step_name(spec: TaskSpec, step: int) -> str:
+    """Step 0 is the agent; step i runs verifier rule i."""
+    return "agent" if step == 0 else spec.verifier[step - 1].name
+
+
+def request_id(task_id: str, run: str, cp: Checkpoint) -> str:
+    """The charge id of the step ``cp`` names: fixed by (task, run, turn, step), so a step
+    that is run again is never charged twice."""
+    return f"{task_id}:{run}:{cp.turn}:{cp.step}"
+
+
+def expired(cp: Checkpoint, spec: TaskSpec, now: float, deadline: float) -> Next | None:
+    """Before a step: the task ends as expired once its own deadline has passed."""
+    if now < deadline:
+        return None
+    return Next(cp, State.EXPIRED, f"task deadline of {spec.deadline:g}s passed")
+
+
+def refused(cp: Checkpoint, spec: TaskSpec, who: str, detail: str) -> Next:
+    """A step's call was refused (``who``: the task's max_calls or the envelope): it halts."""
+    name = step_name(spec, cp.step)
+    event = Event("call_refused", {"who": who, "detail": detail, "step": name, "turn": cp.turn})
+    return Next(cp, State.HALTED_AT_CALL_CEILING, detail, (event,))
+
+
+def begin(cp: Checkpoint, spec: TaskSpec, request: str, now: float) -> Checkpoint:
+    """The checkpoint saved before a step runs: that step in flight since ``now``."""
+    out = cp.model_copy(deep=True)
+    if out.step == 0:
+        out.turns = out.turn
+    out.in_flight = InFlight(
+        turn=out.turn,
+        step=out.step,
+        name=step_name(spec, out.step),
+        request_id=request,
+        started_unix=now,
+    )
+    return out
+
+
+def lost_step(cp: Checkpoint, on_unknown: str, cap: int) -> Next:
+    """What a task whose worker died becomes (QUEUED again, or PAUSED); counts the loss."""
+    out = cp.model_copy(deep=True)
+    out.lost_leases += 1
+    flight = out.in_flight
+    if out.lost_leases >= cap:
+        return Next(out, PAUSED, f"lost {out.lost_leases} runs (cap {cap}); reconcile to go on")
+    if flight is None:
+        return Next(out, QUEUED, "worker died between steps; resuming from the checkpoint")
+    what = f"{flight.name} step of turn {flight.turn}"
+    if on_unknown == "pause":
+        return Next(out, PAUSED, f"outcome of the {what} is unknown: its worker died")
+    out.in_flight = None
+    return Next(out, QUEUED, f"retrying the {what} after its worker died")
+
+
+def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadline: float) -> Next:
+    """What the step ``cp`` names, ended as ``out`` at ``now``, makes of the task.
+
+    ``deadline`` is the task's own (its first start plus ``spec.deadline``). A step cut
+    short by it expires the task; the last rule of a turn gives the verdict: every rule
+    passed (finished_verified), the same agent output and verdict ``STUCK_TURNS`` turns
+    running (halted_stuck), or the next turn with the unmet rules in memory.
+    """
+    cp = cp.model_copy(deep=True)
+    cp.in_flight = None
+    name = step_name(spec, cp.step)
+    finished = Event(
+        "step_finished",
+        {
+            "step": name,
+            "turn": cp.turn,
+            "exit_code": out.exit_code,
+            "status": out.status,
+            "note": out.note,
+            "digest": out.digest,
+        },
+        out.lease_id,
+    )
+    events = [finished]
+    if cp.step == 0:
+        cp.agent = AgentResult(
+            exit_code=out.exit_code,
+            note=out.note,
+            lease_id=out.lease_id,
+            digest=out.digest,
+            tail=out.tail,
+        )
+    else:
+        cp.results.append(
+            RuleResult(
+                name=name,
+                passed=out.passed,
+                exit_code=out.exit_code,
+                note=out.note,
+                lease_id=out.lease_id,
+                tail=out.tail,
+            )
+        )
+    if out.status == "expired" and now >= deadline:
+        detail = f"task deadline of {spec.deadline:g}s passed during the {name} step"
+        return Next(cp, State.EXPIRED, detail, tuple(events))
+    cp.step += 1
+    if cp.step <= len(spec.verifier):
+        return Next(cp, events=tuple(events))
+    verdict = Verdict(
+        turn=cp.turn,
+        passed=[r.name for r in cp.results if r.passed],
+        failed=[r.name for r in cp.results if not r.passed],
+    )
+    cp.last_verdict = verdict
+    events.append(Event("verdict", {**verdict.model_dump(), "ok": verdict.ok}))
+    if verdict.ok:
+        cp.memory = None
+        return Next(cp, State.FINISHED_VERIFIED, "every rule passed", tuple(events))
+    first = next(r for r in cp.results if not r.passed)
+    cp.memory = Memory(unmet=verdict.failed, rule=first.name, note=first.note, evidence=first.tail)
+    agent_digest = cp.agent.digest if cp.agent else ""
+    fingerprint = hashlib.sha256(f"{agent_digest}|{verdict.failed}".encode()).hexdigest()[:32]
+    cp.repeats = cp.repeats + 1 if fingerprint == cp.fingerprint else 1
+    cp.fingerprint = fingerprint
+    if cp.repeats >= STUCK_TURNS:
+        detail = f"same agent output and same verdict {cp.repeats} turns running"
+        events.append(Event("task_stuck", {"turn": cp.turn, "detail": detail}))
+        return Next(cp, State.HALTED_STUCK, detail, tuple(events))
+    cp.turn, cp.step, cp.agent, cp.results = cp.turn + 1, 0, None, []
+    return Next(cp, events=tuple(events))
