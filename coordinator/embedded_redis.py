@@ -54,6 +54,9 @@ class EmbeddedRedis:
 
     ``stop()`` and ``start()`` may be called repeatedly (the port is kept), which is how
     tests make Redis disappear and come back. ``appendonly`` keeps data across restarts.
+    With ``password`` the server refuses every client that does not authenticate; the
+    password reaches it on its standard input (Redis reads a config file from ``-``), never
+    on a command line, where any local user could read it.
     """
 
     def __init__(
@@ -63,7 +66,11 @@ class EmbeddedRedis:
         port: int | None = None,
         appendonly: bool = False,
         extra_args: list[str] | None = None,
+        password: str | None = None,
     ) -> None:
+        if password is not None and not password.isalnum():
+            raise ValueError("the embedded Redis password must be letters and digits")
+        self.password = password
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -72,7 +79,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -81,6 +89,7 @@ class EmbeddedRedis:
     def command(self) -> list[str]:
         return [
             find_redis_server(),
+            *(["-"] if self.password else []),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),
@@ -95,14 +104,18 @@ class EmbeddedRedis:
     def start(self, timeout: float = 10.0) -> None:
         """Start the server and wait until it answers PING."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)
         self.proc = subprocess.Popen(
             self.command(),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
+        if self.proc.stdin is not None:
+            with self.proc.stdin:
+                self.proc.stdin.write(f"requirepass {self.password}\n".encode())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
