@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import pytest
 import redis
 
 from overnight.coordinator.embedded_redis import EmbeddedRedis
@@ -130,6 +131,7 @@ def _assert_exact(r: redis.Redis, ns: str, answers: dict[str, int]) -> None:
     assert (snap.consumed_model, snap.consumed_tool) == (models, 1000 - models)
 
 
+@pytest.mark.slow
 def test_eight_processes_share_one_budget_exactly(
     env: dict[str, str], r: redis.Redis, redis_server: EmbeddedRedis, namespace: str
 ) -> None:
@@ -145,6 +147,7 @@ def test_eight_processes_share_one_budget_exactly(
     _assert_exact(r, namespace, answers)
 
 
+@pytest.mark.slow
 def test_killed_and_restarted_workers_stay_exact(
     env: dict[str, str], r: redis.Redis, redis_server: EmbeddedRedis, namespace: str
 ) -> None:
@@ -181,6 +184,7 @@ def test_killed_and_restarted_workers_stay_exact(
             "shared", f"{tag}-{i}"))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_redis_stopped_refuses_with_exit_69(
     env: dict[str, str], redis_factory: Callable[..., EmbeddedRedis], namespace: str
 ) -> None:

@@ -382,6 +382,7 @@ def test_sigkilled_supervisor_leaves_nothing_behind(
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_reaper_survives_a_redis_outage(
     redis_factory: Callable[..., object], tmp_path: Path, env: dict[str, str], namespace: str
 ) -> None:

@@ -74,6 +74,7 @@ def tls_server(tmp_path: Path) -> Any:
     server.stop(kill=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_everything_runs_over_tls(
     env: dict[str, str], tmp_path: Path, tls_server: tuple[int, Path]
@@ -99,6 +100,7 @@ def acl_user(admin: redis.Redis, name: str, password: str, namespace: str) -> No
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_acl_user_limited_to_its_namespace_runs_everything_and_nothing_else(
     env: dict[str, str], tmp_path: Path, redis_factory: Any, namespace: str
@@ -245,6 +247,7 @@ def test_a_supervised_child_cannot_forge_ends_or_beat_another_lease(
 # --- secrets ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
     env: dict[str, str], tmp_path: Path, redis_factory: Any, namespace: str

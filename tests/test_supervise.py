@@ -240,6 +240,7 @@ def test_existing_lease_id_is_refused(env: dict[str, str]) -> None:
 # --- Redis going away -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_redis_killed_mid_run_fails_closed(
     env: dict[str, str], redis_factory: Any, tmp_path: Path
 ) -> None:
@@ -264,6 +265,7 @@ def test_redis_killed_mid_run_fails_closed(
     assert_all_gone(tree, timeout=1)
 
 
+@pytest.mark.slow
 def test_redis_blink_shorter_than_the_gap_costs_nothing(
     env: dict[str, str], redis_factory: Any, tmp_path: Path
 ) -> None:

@@ -87,6 +87,7 @@ FIX_ON_TURN_TWO = (
 NEVER = "import uuid; print(uuid.uuid4(), flush=True)"
 
 
+@pytest.mark.slow
 def test_three_outcomes_on_one_worker(tenv: dict[str, str], tmp_path: Path) -> None:
     reset_envelope(tenv, 100)
     files = [
@@ -113,6 +114,7 @@ def test_three_outcomes_on_one_worker(tenv: dict[str, str], tmp_path: Path) -> N
     ]
 
 
+@pytest.mark.slow
 def test_three_workers_share_an_envelope_of_ten(
     tenv: dict[str, str], tmp_path: Path, workers: list[subprocess.Popen[bytes]], r: redis.Redis
 ) -> None:
@@ -143,6 +145,7 @@ def test_three_workers_share_an_envelope_of_ten(
     assert env_state["consumed_model"] + env_state["consumed_tool"] == 10
 
 
+@pytest.mark.slow
 def test_hanging_step_is_killed_by_its_gap_and_the_task_goes_on(
     tenv: dict[str, str], tmp_path: Path
 ) -> None:
@@ -211,6 +214,7 @@ def _sigkill_mid_step(
     return int(marker.read_text())
 
 
+@pytest.mark.slow
 def test_worker_sigkilled_mid_step_pauses_then_resume_finishes(
     tenv: dict[str, str], tmp_path: Path, workers: list[subprocess.Popen[bytes]], r: redis.Redis
 ) -> None:
@@ -236,6 +240,7 @@ def test_worker_sigkilled_mid_step_pauses_then_resume_finishes(
         kill_quietly(step_pid)
 
 
+@pytest.mark.slow
 def test_worker_sigkilled_mid_step_is_retried(
     tenv: dict[str, str], tmp_path: Path, workers: list[subprocess.Popen[bytes]], r: redis.Redis
 ) -> None:
@@ -248,6 +253,7 @@ def test_worker_sigkilled_mid_step_is_retried(
         kill_quietly(step_pid)
 
 
+@pytest.mark.slow
 def test_reconcile_abort(tenv: dict[str, str], tmp_path: Path) -> None:
     path = task_file(tmp_path, "gone", ["true"], [["true"]])
     submit(tenv, path)
@@ -309,6 +315,7 @@ def test_rq_info_and_rq_worker_class(
     assert status(tenv, "via-rq")["state"] == "finished_verified"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "500", "hang"])
 def test_model_step_in_the_loop(tenv: dict[str, str], tmp_path: Path, mode: str) -> None:
     reset_envelope(tenv, 10)
