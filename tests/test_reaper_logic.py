@@ -93,7 +93,10 @@ def test_reused_pid_is_never_signalled_as_a_group() -> None:
     )
     assert (d.action, d.why, d.signal_group) == ("reap", "pid-reused", False)
     assert rule(Facts(doc=doc(), unproven=""))[:2] == ("reap", "child-gone")
-    assert rule(Facts(doc=doc(holder_pid=0), unproven=""))[:2] == ("end", "never-attached")
+    assert rule(Facts(doc=doc(holder_pid=0)))[:2] == ("end", "never-attached")
+    # Its supervisor died before recording the child, but its proof names it.
+    attached_by_proof = Facts(doc=doc(holder_pid=0), holder_same=True, unproven="")
+    assert rule(attached_by_proof)[:2] == ("reap", "supervisor-gone")
 
 
 def test_without_a_proof_nothing_is_signalled_whatever_the_document_says() -> None:

@@ -4,6 +4,7 @@ supervisor was SIGKILLed is still reaped, through the proof its supervisor left.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -135,6 +136,26 @@ def test_a_proof_that_names_another_process_is_refused(
         proof.remove(keys.namespace, doc.lease_id)
 
 
+def test_a_proof_vouches_only_for_the_document_it_matches() -> None:
+    boot = procs.boot_id()
+    made = proof.Proof("L1", 7, 4242, 4242, 555, boot, 4000, 400)
+    lease = LeaseDoc("L1", 7, 60, 0, 60, 0, 5, "running", holder_pid=4242, pgid=4242,
+                     child_start_ticks=555, boot_id=boot)  # fmt: skip
+    table = [
+        ({}, ""),
+        ({"lease_id": "L2"}, "proof names another lease"),
+        ({"token": 8}, "proof token differs"),
+        ({"holder_pid": 1}, "proof pid differs"),
+        ({"child_start_ticks": 554}, "proof start time differs"),
+        ({"boot_id": "another-boot"}, "proof from another boot"),
+        # Never attached (the supervisor died first): the proof alone names the child.
+        ({"holder_pid": 0, "pgid": 0, "child_start_ticks": None}, ""),
+    ]
+    for change, why in table:
+        assert proof.mismatch(made, dataclasses.replace(lease, **change)) == why, change
+    assert proof.mismatch(dataclasses.replace(made, pid=1), lease) == "proof pid invalid"
+
+
 def test_a_proof_file_other_users_can_write_is_not_trusted(keys: Keys) -> None:
     made = proof.Proof("loose", 5, 4242, 4242, 99, procs.boot_id(), 1, 1)
     assert proof.store(keys.namespace, made)
@@ -201,3 +222,29 @@ def test_the_reaper_never_signals_itself_or_its_ancestors(keys: Keys) -> None:
     made = proof.Proof("self", 1, me.pid, me.pgid, me.start, procs.boot_id(), 0, 0)
     members = LapsedTrees([Target(doc, made, True)]).members()
     assert not {1, os.getpid(), os.getppid()} & set(members)
+
+
+def test_a_child_its_supervisor_never_recorded_is_reaped_through_the_proof(
+    r: redis.Redis, keys: Keys
+) -> None:
+    from overnight.worker.reaper import reap_once
+
+    leases = Leases(r, keys)
+    doc = leases.acquire(budget_sec=600, gap_sec=0.2)
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                             env={**os.environ, procs.TAG_VAR: doc.lease_id})  # fmt: skip
+    try:
+        ticks = wait_for(lambda: procs.start_ticks(child.pid), timeout=5)
+        # The supervisor wrote its proof, then died before attaching the child to the lease.
+        assert proof.store(keys.namespace, proof.Proof(doc.lease_id, doc.token, child.pid,
+                                                       child.pid, ticks, procs.boot_id(),
+                                                       2**22 + 13, 0))  # fmt: skip
+        wait_for(lambda: not leases.is_alive(doc.lease_id), timeout=5)
+        report = reap_once(r, keys, grace=1.0, host_ttl=None)
+        assert report.signalled >= 1 and child.wait(5) is not None
+        assert ended(r, keys, doc.lease_id).note.endswith("supervisor-gone")
+        assert not proof.path_for(keys.namespace, doc.lease_id).exists()
+    finally:
+        child.kill()
+        child.wait(5)
+        proof.remove(keys.namespace, doc.lease_id)

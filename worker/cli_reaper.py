@@ -36,11 +36,13 @@ def reaper_command(
 ) -> None:
     """Kill the trees of this host's leases whose liveness key lapsed, and end those leases.
 
-    Each pass checks that a lease's process is still the one the lease named (pid, start
-    time, boot id) before it signals anything, kills the whole tree (group, session and
-    tagged descendants), then ends the lease `expired` (past its deadline) or `killed`
-    with a note starting `reaped:`. Leases of hosts with no live reaper are ended
-    `killed` / `reaped: host-lost`. SIGTERM or Ctrl-C finishes the current pass and exits 0.
+    Each pass signals a lease's processes only if its supervisor's local proof is there and
+    matches the lease (pid, start time, token, boot id), kills the whole tree (group,
+    session and tagged descendants), then ends the lease `expired` (past its deadline) or
+    `killed` with a note starting `reaped:`. A lease without a matching proof is ended
+    with `unproven:` in its note and nothing is signalled. Leases of hosts with no live
+    reaper are ended `killed` / `reaped: host-lost`. SIGTERM or Ctrl-C finishes the current
+    pass and exits 0.
     """
     import redis
 

@@ -123,9 +123,14 @@ def mismatch(proof: Proof, doc: LeaseDoc) -> str:
         return "proof names another lease"
     if proof.token != doc.token:
         return "proof token differs"
-    if proof.pid != doc.holder_pid or proof.pid <= 1:
+    if proof.pid <= 1:
+        return "proof pid invalid"
+    # A supervisor that died between starting the child and recording it on the lease left
+    # a document naming no process: then the proof alone names it.
+    attached = doc.holder_pid > 0 or doc.child_start_ticks is not None
+    if attached and proof.pid != doc.holder_pid:
         return "proof pid differs"
-    if proof.start_ticks != doc.child_start_ticks:
+    if attached and proof.start_ticks != doc.child_start_ticks:
         return "proof start time differs"
     if proof.boot_id != procs.boot_id() or (doc.boot_id and doc.boot_id != proof.boot_id):
         return "proof from another boot"

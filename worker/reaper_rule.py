@@ -65,7 +65,7 @@ def decide(facts: Facts, *, host: str, boot: str, now: float, hold_off: float) -
         return Decision("end", "host-rebooted", status, f"reaped: {cause}, host-rebooted")
     if facts.supervisor_present and now < doc.lapse_unix + hold_off:
         return Decision("skip", "supervisor-acting")
-    if doc.holder_pid <= 0:
+    if doc.holder_pid <= 0 and facts.unproven:
         return Decision("end", "never-attached", status, f"reaped: {cause}, never-attached")
     if facts.unproven:
         return Decision("end", "unproven", status, f"reaped: {cause}, unproven: {facts.unproven}")

@@ -35,9 +35,12 @@ class Target:
 
 def observe(doc: LeaseDoc, proof: Proof | None, facts: Facts) -> Facts:
     """Fill in what /proc says about this host's lease: is the holder the same process, and
-    is its supervisor still around (the one the proof names, else the document's)."""
-    same = procs.is_same_process(doc.holder_pid, doc.child_start_ticks, doc.boot_id)
-    holder = procs.read_proc(doc.holder_pid) if doc.holder_pid > 0 else None
+    is its supervisor still around (as the proof names them, else as the document does)."""
+    pid, ticks = doc.holder_pid, doc.child_start_ticks
+    if proof is not None:
+        pid, ticks = proof.pid, proof.start_ticks
+    same = procs.is_same_process(pid, ticks, doc.boot_id)
+    holder = procs.read_proc(pid) if pid > 0 else None
     exists = holder is not None and not holder.dead
     if proof is not None:
         sup = procs.read_proc(proof.supervisor_pid)
