@@ -177,7 +177,7 @@ def _reap_batch(
             d = Decision("skip", "unreadable-document")
         else:
             d = decide(facts, host=host, boot=boot, now=now, hold_off=hold_off)
-        if d.why == "unproven" and doc is not None:
+        if d.why in ("unproven", "never-attached") and doc is not None:
             log.warning("lease=%s host=%s pid=%d: not signalling anything: %s", lease_id,
                         doc.host, doc.holder_pid, facts.unproven)  # fmt: skip
         decisions.append((lease_id, doc, d))
