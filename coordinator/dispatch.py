@@ -40,6 +40,7 @@ from overnight.coordinator.taskstore import (
     TaskRecord,
     TaskRefused,
     TaskStore,
+    server_time,
 )
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.procs import set_pdeathsig
@@ -76,22 +77,29 @@ def text_client(conn: redis.Redis) -> redis.Redis:
     return found
 
 
-def job_timeout(rec: TaskRecord, now: float | None = None) -> int:
-    """Seconds RQ lets the job run: what is left of the task's deadline, plus a margin."""
+def job_timeout(rec: TaskRecord, now: float) -> int:
+    """Seconds RQ lets the job run: what is left of the task's deadline at ``now`` (Redis
+    server time), plus a margin."""
     left = rec.spec.deadline
     if rec.started_unix is not None:
-        left -= (now or time.time()) - rec.started_unix
+        left -= now - rec.started_unix
     return math.ceil(max(left, 1.0)) + JOB_MARGIN
 
 
-def enqueue(rq_conn: redis.Redis, records: Sequence[TaskRecord], namespace: str) -> list[str]:
-    """Put one RQ job per record (its current attempt) on the record's queue; returns job ids."""
+def enqueue(
+    rq_conn: redis.Redis, records: Sequence[TaskRecord], namespace: str, now: float | None = None
+) -> list[str]:
+    """Put one RQ job per record (its current attempt) on the record's queue; returns job ids.
+
+    ``now`` is Redis server time (read here if not given)."""
+    if now is None:
+        now = server_time(rq_conn)
     by_queue: dict[str, list[Any]] = {}
     for rec in records:
         data = Queue.prepare_data(
             perform_task,
             args=(namespace, rec.id, rec.attempt),
-            timeout=job_timeout(rec),
+            timeout=job_timeout(rec, now),
             result_ttl=RESULT_TTL,
             failure_ttl=RESULT_TTL,
             description=f"overnight task {rec.id} attempt {rec.attempt} [{namespace}]",
@@ -226,7 +234,8 @@ def recover(
     A running task whose claim lapsed is re-queued from its checkpoint (``on_unknown =
     "retry"``, or no step was in flight), paused (``"pause"`` with a step in flight, or
     the lost-run cap reached) or expired (its deadline passed). A queued task whose
-    RQ job is missing or ended is enqueued again.
+    RQ job is missing or ended is enqueued again. ``now`` is Redis server time (read once
+    if not given), the clock every task time is written in.
     """
     store = TaskStore(client, keys)
     ids = store.ids()
@@ -235,7 +244,7 @@ def recover(
         pipe.hmget(keys.task(task_id), "state", "updated_unix")
         pipe.exists(keys.task_claim(task_id))
     rows = pipe.execute()
-    now = now or time.time()
+    now = store.now() if now is None else now
     actions: list[str] = []
     requeue: list[TaskRecord] = []
     for i, task_id in enumerate(ids):
@@ -264,7 +273,7 @@ def recover(
                 actions.append(f"{task_id}: re-enqueued attempt {rec.attempt}")
                 requeue.append(rec)
     if requeue:
-        enqueue(rq_conn, requeue, keys.namespace)
+        enqueue(rq_conn, requeue, keys.namespace, now)
     return actions
 
 

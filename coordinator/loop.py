@@ -118,10 +118,12 @@ class TaskLoop:
         consume: Consume,
         config: LoopConfig,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.store, self.runner, self.consume, self.config = store, runner, consume, config
-        self.clock = clock
+        # Task times are Redis server time, like lease times: no worker's wall clock decides
+        # a deadline. ``clock`` is for tests.
+        self.clock = clock or store.now
         self.token = uuid.uuid4().hex
         self.keeper: ClaimKeeper | None = None
 

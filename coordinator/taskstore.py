@@ -9,9 +9,7 @@ appended by the same script as the change, so the stream never disagrees with th
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -56,6 +54,7 @@ __all__ = [
     "TaskStore",
     "Verdict",
     "receipt_body",
+    "server_time",
 ]
 
 # Why a task script refused a write. ``state``: the record is in a state the write may not
@@ -98,6 +97,12 @@ class TaskIdTaken(TaskRefused):
         return f"id {self.task_id!r} names a task that is still live"
 
 
+def server_time(client: redis.Redis) -> float:
+    """Redis server time in unix seconds (one TIME round trip)."""
+    secs, micros = client.time()
+    return int(secs) + int(micros) / 1_000_000
+
+
 def _checked(task_id: str, result: list[Any]) -> list[Any]:
     """A script's reply ``{1, ...}``, or :class:`TaskRefused` for its ``{0, reason}``."""
     if int(result[0]) == 1:
@@ -132,12 +137,9 @@ _SCRIPTS = (
 class TaskStore:
     """Reads and atomic writes of task records in one namespace."""
 
-    def __init__(
-        self, client: redis.Redis, keys: Keys, *, clock: Callable[[], float] = time.time
-    ) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self.clock = clock
         self._scripts: dict[str, Script] = {
             name: client.register_script(_source(name)) for name in _SCRIPTS
         }
@@ -146,6 +148,10 @@ class TaskStore:
         return self._scripts[name](keys=keys, args=args)
 
     # --- reading -----------------------------------------------------------------------
+    def now(self) -> float:
+        """Redis server time: the one clock of task times (the scripts read it themselves)."""
+        return server_time(self.client)
+
     def get(self, task_id: str) -> TaskRecord | None:
         raw = self.client.hgetall(self.keys.task(task_id))
         return TaskRecord.from_hash(raw) if raw and "spec" in raw else None  # type: ignore[arg-type]
@@ -181,9 +187,8 @@ class TaskStore:
     # --- writing -----------------------------------------------------------------------
     def create(self, specs: list[TaskSpec], queue: str) -> list[TaskRecord]:
         """Create all tasks (ids generated where absent) or none; raises :class:`TaskIdTaken`."""
-        now = self.clock()
         keys: list[str] = [self.keys.tasks, self.keys.receipts]
-        args: list[Any] = [repr(now), STREAM_MAXLEN]
+        args: list[Any] = [STREAM_MAXLEN]
         filled = []
         for spec in specs:
             task_id = spec.id or f"task-{uuid.uuid4().hex[:10]}"
@@ -200,6 +205,7 @@ class TaskStore:
         result = self._run("create", keys, args)
         if int(result[0]) != 1:
             raise TaskIdTaken(str(result[1]))
+        now = float(result[1])
         return [
             TaskRecord(
                 id=str(spec.id),
@@ -230,7 +236,6 @@ class TaskStore:
                 attempt,
                 token,
                 int(ttl * 1000),
-                repr(self.clock()),
                 runner.model_dump_json(),
                 STREAM_MAXLEN,
                 body,
@@ -259,7 +264,6 @@ class TaskStore:
             cp.model_dump_json(),
             nxt.state.value,
             nxt.detail,
-            repr(self.clock()),
             STREAM_MAXLEN,
         ]
         for event in nxt.events:
@@ -320,7 +324,6 @@ class TaskStore:
                 nxt.checkpoint.model_dump_json(),
                 detail,
                 attempt,
-                repr(self.clock()),
                 STREAM_MAXLEN,
                 body,
             ],
@@ -339,7 +342,6 @@ class TaskStore:
                 rec.attempt,
                 checkpoint.model_dump_json(),
                 attempt,
-                repr(self.clock()),
                 STREAM_MAXLEN,
                 body,
             ],
@@ -352,6 +354,6 @@ class TaskStore:
         result = self._run(
             "abort",
             [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
-            [detail, repr(self.clock()), STREAM_MAXLEN, body],
+            [detail, STREAM_MAXLEN, body],
         )
         _checked(task_id, result)

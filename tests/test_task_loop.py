@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from overnight.coordinator.taskstore import Checkpoint, InFlight, Memory, Runner
 from overnight.worker import receipts
 
 PY = sys.executable
+real_time = time.time
 
 
 class Budget:
@@ -161,3 +163,20 @@ def test_refused_claim_runs_nothing(r: redis.Redis, namespace: str, tmp_path: Pa
     assert calls == []
     raw = r.hgetall(Keys(namespace).task(rec.id))
     assert raw["state"] == "queued" and json.loads(raw["spec"])["id"] == rec.id
+
+
+def test_task_times_are_redis_server_time(
+    r: redis.Redis, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose wall clock is a day ahead neither expires the task nor stamps its times."""
+    monkeypatch.setattr(time, "time", lambda: real_time() + 86_400)
+    task = spec(tmp_path, agent=["touch", "ok.txt"], deadline=600)
+    state, store = run_task(r, namespace, tmp_path, task)
+    assert state == "finished_verified"
+    [rec] = store.all()
+    secs, micros = r.time()
+    server = secs + micros / 1e6
+    stamps = [rec.submitted_unix, rec.started_unix, rec.ended_unix, rec.updated_unix]
+    assert all(s is not None and server - 60 < s <= server for s in stamps), (server, stamps)
+    assert rec.ended_unix is not None and rec.started_unix is not None
+    assert rec.ended_unix >= rec.started_unix >= rec.submitted_unix

@@ -2,23 +2,26 @@
 -- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
 -- KEYS[1] task index (zset)   KEYS[2] receipt stream
 -- KEYS[3i], KEYS[3i+1], KEYS[3i+2] task hash, claim key, charged set of task i (i = 1..n)
--- ARGV[1] now (unix seconds)   ARGV[2] receipt stream maxlen
--- ARGV[5i-2..5i+2] of task i: id, spec JSON, run nonce, RQ queue, receipt body (task_submitted)
--- Returns {1} or {0, id} for the first id whose record may not be replaced (a live task).
+-- ARGV[1] receipt stream maxlen
+-- ARGV[5i-3..5i+1] of task i: id, spec JSON, run nonce, RQ queue, receipt body (task_submitted)
+-- Returns {1, now} (Redis server time, submitted_unix) or {0, id} for the first id whose
+-- record may not be replaced (a live task).
 local n = (#KEYS - 2) / 3
 for i = 1, n do
   local state = redis.call('HGET', KEYS[3 * i], 'state')
-  if state and not LEGAL.queued[state] then return {0, ARGV[5 * i - 2]} end
+  if state and not LEGAL.queued[state] then return {0, ARGV[5 * i - 3]} end
 end
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 for i = 1, n do
   local hash = KEYS[3 * i]
-  local a = 5 * i - 2
+  local a = 5 * i - 3
   redis.call('DEL', hash, KEYS[3 * i + 1], KEYS[3 * i + 2])
   redis.call('HSET', hash, 'id', ARGV[a], 'spec', ARGV[a + 1], 'run', ARGV[a + 2],
     'queue', ARGV[a + 3], 'state', 'queued', 'detail', '', 'attempt', '1', 'calls_used', '0',
-    'checkpoint', '{}', 'submitted_unix', ARGV[1], 'updated_unix', ARGV[1])
-  redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + (i - 1) / 1000000, ARGV[a])
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'kind', 'task_submitted',
+    'checkpoint', '{}', 'submitted_unix', now, 'updated_unix', now)
+  redis.call('ZADD', KEYS[1], tonumber(now) + (i - 1) / 1000000, ARGV[a])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'kind', 'task_submitted',
     'data', ARGV[a + 4])
 end
-return {1}
+return {1, now}

@@ -2,8 +2,8 @@
 -- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] receipt stream
 -- ARGV[1] attempt read with the checkpoint   ARGV[2] target state
--- ARGV[3] checkpoint JSON   ARGV[4] detail   ARGV[5] new attempt   ARGV[6] now
--- ARGV[7] receipt stream maxlen   ARGV[8] receipt body (task_state)
+-- ARGV[3] checkpoint JSON   ARGV[4] detail   ARGV[5] new attempt
+-- ARGV[6] receipt stream maxlen   ARGV[7] receipt body (task_state)
 -- Returns {1} or {0, reason}: illegal:<target> | alive | state:<state> | stale-attempt.
 local from = LEGAL[ARGV[2]]
 if not from then return {0, 'illegal:' .. ARGV[2]} end
@@ -11,8 +11,10 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return {0, 'alive'} end
 local doc = redis.call('HMGET', KEYS[1], 'state', 'attempt')
 if not (doc[1] and from[doc[1]]) then return {0, 'state:' .. tostring(doc[1])} end
 if doc[2] ~= ARGV[1] then return {0, 'stale-attempt'} end
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'checkpoint', ARGV[3], 'detail', ARGV[4],
-  'attempt', ARGV[5], 'updated_unix', ARGV[6])
-if TERMINAL[ARGV[2]] then redis.call('HSET', KEYS[1], 'ended_unix', ARGV[6]) end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'kind', 'task_state', 'data', ARGV[8])
+  'attempt', ARGV[5], 'updated_unix', now)
+if TERMINAL[ARGV[2]] then redis.call('HSET', KEYS[1], 'ended_unix', now) end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'kind', 'task_state', 'data', ARGV[7])
 return {1}

@@ -2,22 +2,24 @@
 -- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] receipt stream
 -- ARGV[1] claim token   ARGV[2] checkpoint JSON   ARGV[3] target state ('running' = it goes on)
--- ARGV[4] detail   ARGV[5] now   ARGV[6] receipt stream maxlen
--- ARGV[7..] receipts to append, as kind, body pairs
+-- ARGV[4] detail   ARGV[5] receipt stream maxlen
+-- ARGV[6..] receipts to append, as kind, body pairs
 -- Returns {1} or {0, reason}: illegal:<target> | lost (claim gone or not ours) | state:<state>.
--- Any change of state releases the claim; a terminal one also sets ended_unix.
+-- Any change of state releases the claim; a terminal one also sets ended_unix (server time).
 local from = LEGAL[ARGV[3]]
 if not from then return {0, 'illegal:' .. ARGV[3]} end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {0, 'lost'} end
 local state = redis.call('HGET', KEYS[1], 'state')
 if not (state and from[state]) then return {0, 'state:' .. tostring(state)} end
-redis.call('HSET', KEYS[1], 'checkpoint', ARGV[2], 'updated_unix', ARGV[5])
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+redis.call('HSET', KEYS[1], 'checkpoint', ARGV[2], 'updated_unix', now)
 if ARGV[3] ~= state then
   redis.call('HSET', KEYS[1], 'state', ARGV[3], 'detail', ARGV[4])
   redis.call('DEL', KEYS[2])
 end
-if TERMINAL[ARGV[3]] then redis.call('HSET', KEYS[1], 'ended_unix', ARGV[5]) end
-for i = 7, #ARGV, 2 do
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'kind', ARGV[i], 'data', ARGV[i + 1])
+if TERMINAL[ARGV[3]] then redis.call('HSET', KEYS[1], 'ended_unix', now) end
+for i = 6, #ARGV, 2 do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'kind', ARGV[i], 'data', ARGV[i + 1])
 end
 return {1}
