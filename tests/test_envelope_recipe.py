@@ -61,11 +61,12 @@ def test_empty_reset_refuses_at_once(redis_client: redis.Redis, namespace: str) 
     assert (refused.value.kind, refused.value.remaining) == ("tool", 0)
 
 
+@pytest.mark.parametrize("budget", [3, 0])
 def test_callable_payloads_after_the_halt_are_never_called(
-    redis_client: redis.Redis, namespace: str
+    redis_client: redis.Redis, namespace: str, budget: int
 ) -> None:
     envelope = CallEnvelope(redis_client, "recipe", namespace)
-    envelope.reset(3)
+    envelope.reset(budget)
     called: list[str] = []
 
     def payload(text: str) -> Callable[[], str]:
@@ -78,8 +79,11 @@ def test_callable_payloads_after_the_halt_are_never_called(
     steps = [(kind, payload(text)) for kind, text in PLAN]
     lines = run_agent_loop(envelope, steps)
 
-    assert called == [text for _, text in PLAN[:3]]
-    assert lines[:3] == [f"{kind} ok: {text}" for kind, text in PLAN[:3]]
-    assert lines[3:] == ["halt: envelope empty; refused tool call; remaining=0"]
-    assert lines.outputs == [(kind, text) for kind, text in PLAN[:3]]
+    ran = PLAN[:budget]
+    assert called == [text for _, text in ran]
+    assert lines.outputs == ran
+    assert lines[:budget] == [f"{kind} ok: {text}" for kind, text in ran]
+    refused = PLAN[budget][0]
+    assert lines[budget:] == [f"halt: envelope empty; refused {refused} call; remaining=0"]
     assert isinstance(lines.halted, EnvelopeEmpty)
+    assert lines.state is not None and lines.state.remaining == 0
