@@ -40,7 +40,7 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.coordinator.states import PAUSED, TERMINAL
+from overnight.coordinator.states import PAUSED, QUEUED, RUNNING, TERMINAL
 from overnight.worker import tree
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.reaper import lease_tag
@@ -213,7 +213,7 @@ class Soak:
                 self._inject(result)
                 if time.monotonic() >= next_wave:
                     states = self.task_states().values()
-                    if sum(s in ("queued", "running") for s in states) < 3 * self.n_workers:
+                    if sum(s in (QUEUED, RUNNING) for s in states) < 3 * self.n_workers:
                         self.submit(self.n_workers)
                     next_wave = time.monotonic() + 1.0
             self._heal()

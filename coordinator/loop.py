@@ -3,7 +3,9 @@
 Each step is charged first (the task's own ``max_calls``, then the shared envelope, both
 under a request id fixed by (task, run, turn, step) so a repeated step is never charged
 twice), recorded as in flight, run, and recorded as ended: a checkpoint after every
-step. The loop holds the task through its claim; a :class:`ClaimKeeper` thread renews it.
+step. What each outcome makes of the task is the pure :mod:`judge`'s call; the loop writes
+its answer in one store call. Times are Redis server time. The loop holds the task through
+its claim; a :class:`ClaimKeeper` thread renews it.
 """
 
 from __future__ import annotations

@@ -11,12 +11,10 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.judge import lost_step
 from overnight.coordinator.loop import CallRefused, LoopConfig, TaskLoop, build_prompt
-from overnight.coordinator.states import PAUSED, QUEUED
 from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import Checkpoint, InFlight, Memory, Runner, TaskStore
+from overnight.coordinator.taskstore import Memory, Runner, TaskStore
 from overnight.worker import receipts
 
 PY = sys.executable
@@ -133,20 +131,6 @@ def test_prompt_names_exactly_the_unmet_rules(tmp_path: Path) -> None:
     text = build_prompt(task, Memory(unmet=["b"], rule="b", note="worker-exit-1", evidence="E!"))
     assert "- b: `false`" in text and "- a:" not in text and "E!" in text
     assert "make ok.txt" in text
-
-
-@pytest.mark.parametrize(
-    ("on_unknown", "lost", "state"),
-    [("pause", 0, PAUSED), ("retry", 0, QUEUED), ("retry", 2, PAUSED)],
-)
-def test_lost_step(on_unknown: str, lost: int, state: str) -> None:
-    cp = Checkpoint(
-        lost_leases=lost,
-        in_flight=InFlight(turn=1, step=0, name="agent", request_id="x", started_unix=0),
-    )
-    nxt = lost_step(cp, on_unknown, 3)
-    assert nxt.state == state and nxt.detail
-    assert nxt.checkpoint.lost_leases == lost + 1 and cp.lost_leases == lost
 
 
 def test_refused_claim_runs_nothing(r: redis.Redis, namespace: str, tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from overnight.coordinator.taskstore import (
 )
 
 TOKEN = "tok"
+LUA = Path(__file__).resolve().parent.parent / "coordinator" / "lua"
 
 
 @pytest.fixture(params=["fake", "real"])
@@ -226,3 +227,9 @@ def test_refusals_are_one_exception_with_a_reason(
         store.create([taken], "q")
     assert isinstance(info.value, TaskIdTaken) and info.value.reason == "taken"
     assert str(info.value) == f"id {rec.id!r} names a task that is still live"
+
+
+def test_every_state_changing_script_checks_the_table() -> None:
+    for op in TRANSITIONS:
+        text = (LUA / f"task_{op}.lua").read_text()
+        assert "LEGAL" in text and "-- LEGAL, TERMINAL:" in text, op
