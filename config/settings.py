@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
-from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-ENV_PREFIX = "OVERNIGHT_"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+from overnight.config import validate
+from overnight.config.validate import ENV_PREFIX, NAME_RE, RULES, mask_url
+
+__all__ = ["NAME_RE", "ConfigError", "Settings", "check_redis_url", "load_settings", "mask_url"]
 _SECRET_FIELDS = {"model_api_key", "redis_url"}
 _ENV_NAMES = {"model_url": "OVERNIGHT_MODEL_URL (or MODEL_URL)"}
 
@@ -60,31 +67,12 @@ class Settings(BaseSettings):
     task_claim_ttl: float = Field(15.0, gt=0)
     recovery_interval: float = Field(5.0, gt=0)
 
-    @field_validator("redis_url")
+    @field_validator(*RULES, mode="before")
     @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        check_redis_url(value)
-        return value
-
-    @field_validator("namespace", "queue")
-    @classmethod
-    def _check_name(cls, value: str) -> str:
-        if not NAME_RE.match(value):
-            raise ValueError(
-                "must be 1-64 characters of letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit"
-            )
-        return value
-
-    @field_validator("model_url")
-    @classmethod
-    def _check_model_url(cls, value: str | None) -> str | None:
-        if value in (None, ""):
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError("must be an http:// or https:// URL")
-        return value
+    def _rule(cls, value: Any, info: ValidationInfo) -> Any:
+        # The same rule as the fast path's (config.validate), before pydantic's type check.
+        assert info.field_name is not None
+        return RULES[info.field_name](value)
 
     def public_dict(self) -> dict[str, Any]:
         """Settings as JSON-ready data, with every secret masked."""
@@ -96,34 +84,7 @@ class Settings(BaseSettings):
 
 def check_redis_url(value: str) -> None:
     """Raise ``ValueError`` unless ``value`` is a URL redis-py can connect with."""
-    parts = urlsplit(value)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError("must start with redis://, rediss:// or unix://")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ValueError("a unix:// URL needs a socket path")
-        return
-    if not parts.hostname:
-        raise ValueError("needs a host name")
-    try:
-        _ = parts.port
-    except ValueError:
-        raise ValueError("has an invalid port") from None
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise ValueError("database number must be a whole number")
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``****``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    netloc = f"{user}:****@{host}{port}"
-    return parts._replace(netloc=netloc).geturl()
+    validate.redis_url(value)
 
 
 def env_name(field: str) -> str:

@@ -8,6 +8,12 @@ asks the OpenAI-compatible ``/v1/chat/completions`` endpoint at ``OVERNIGHT_MODE
 the answer under ``out/`` of its working directory: ``out/turn-NNN.json`` and
 ``out/answer.md``. With no URL a deterministic echo stub writes the same shape, with no
 network. The API key is never printed. Exit 0 on an answer, 1 when the model failed.
+
+Under a worker the step's environment holds no key (worker.stepenv): with
+``OVERNIGHT_MODEL_SETTINGS=stdin`` the ``OVERNIGHT_MODEL_*`` values come instead as one JSON
+object on stdin (:func:`settings_line`), a pipe the supervisor filled and closed before the
+step started, so neither ``/proc/PID/environ`` nor a descendant ever shows the key. Run by
+hand, the step reads the settings as every command does.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,59 @@ SYSTEM = (
 )
 STUB_MODEL = "echo-stub"
 MAX_ERROR_BODY = 300
+SETTINGS_VAR = "OVERNIGHT_MODEL_SETTINGS"
+MODEL_VARS = ("OVERNIGHT_MODEL_URL", "OVERNIGHT_MODEL_API_KEY", "OVERNIGHT_MODEL_NAME",
+              "OVERNIGHT_MODEL_TIMEOUT")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    url: str | None
+    api_key: str | None
+    name: str
+    timeout: float
+
+
+def settings_line(model_env: Mapping[str, str]) -> bytes:
+    """The model settings (``OVERNIGHT_MODEL_*`` names) as the step reads them on stdin."""
+    return json.dumps({k: v for k, v in model_env.items() if k in MODEL_VARS}).encode() + b"\n"
+
+
+def settings_from_line(line: bytes) -> ModelSettings:
+    """Parse :func:`settings_line` with the settings' own rules; ``ValueError`` names the
+    variable (never the value)."""
+    from overnight.config.validate import RULES
+
+    try:
+        data = json.loads(line or b"{}")
+    except ValueError:
+        raise ValueError("stdin: not a JSON object") from None
+    if not isinstance(data, dict):
+        raise ValueError("stdin: not a JSON object")
+    values: dict[str, Any] = {"model_name": "gpt-4o-mini", "model_timeout": 60.0}
+    for var in MODEL_VARS:
+        if data.get(var) in (None, ""):
+            continue
+        field = var.removeprefix("OVERNIGHT_").lower()
+        try:
+            values[field] = RULES[field](data[var])
+        except ValueError as exc:
+            raise ValueError(f"{var}: {exc}") from None
+    return ModelSettings(values.get("model_url"), values.get("model_api_key"),
+                         values["model_name"], values["model_timeout"])  # fmt: skip
+
+
+def _settings() -> ModelSettings:
+    if os.environ.get(SETTINGS_VAR) == "stdin":
+        return settings_from_line(sys.stdin.buffer.read(65536))
+    from overnight.config.settings import ConfigError, load_settings
+
+    try:
+        s = load_settings()
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    key = s.model_api_key.get_secret_value() if s.model_api_key else None
+    return ModelSettings(s.model_url, key, s.model_name, s.model_timeout)
 
 
 class ModelError(Exception):
@@ -109,11 +170,11 @@ def _prompt() -> str:
 
 def main() -> int:
     """Run one model step; returns the exit code."""
-    from overnight.config.settings import ConfigError, load_settings, mask_url
+    from overnight.config.validate import mask_url
 
     try:
-        settings = load_settings()
-    except ConfigError as exc:
+        settings = _settings()
+    except ValueError as exc:
         print(f"model step: bad configuration: {exc}", file=sys.stderr)
         return 78
     prompt = _prompt()
@@ -121,19 +182,15 @@ def main() -> int:
         turn = int(os.environ.get("OVERNIGHT_TURN", "1"))
     except ValueError:
         turn = 1
-    key = settings.model_api_key.get_secret_value() if settings.model_api_key else None
-    if settings.model_url:
-        print(
-            f"model step: asking {mask_url(settings.model_url)} ({settings.model_name})", flush=True
-        )
+    if settings.url:
+        print(f"model step: asking {mask_url(settings.url)} ({settings.name})", flush=True)
         try:
-            answer = ask_model(
-                settings.model_url, key, settings.model_name, prompt, settings.model_timeout
-            )
+            answer = ask_model(settings.url, settings.api_key, settings.name, prompt,
+                               settings.timeout)  # fmt: skip
         except ModelError as exc:
             print(f"model step: {exc}", file=sys.stderr, flush=True)
             return 1
-        model, source = settings.model_name, "http"
+        model, source = settings.name, "http"
     else:
         answer, model, source = echo_stub(prompt), STUB_MODEL, "stub"
     record = {

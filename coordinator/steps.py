@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from overnight.worker.signals import SignalCatcher
+from overnight.worker.stepenv import step_environment
 from overnight.worker.supervisor import StepSpec, run_supervised
 
 if TYPE_CHECKING:
@@ -37,11 +38,12 @@ class StepRequest:
     name: str
     argv: list[str]
     cwd: str
-    env: dict[str, str]  # merged over the worker's environment
+    env: dict[str, str]  # added to the step's allowlisted environment (worker.stepenv)
     deadline: float
     gap: float
     grace: float
     beat_while_alive: bool = False
+    stdin_data: bytes | None = field(default=None, repr=False)  # settings for the model step
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
             beat_while_alive=req.beat_while_alive,
             lease_file=None,
             task_id=req.task_id,
+            stdin_data=req.stdin_data,
         )
         with alarm_ends_step() as alarm:
             result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)
@@ -149,12 +152,15 @@ def alarm_ends_step() -> Iterator[SignalCatcher | None]:
 def plain_runner(req: StepRequest) -> StepOutcome:
     """Run a step as a plain subprocess with only its deadline (no lease): for tests."""
     capture = OutputCapture()
+    env = step_environment(os.environ, req.env, lease_id=None, task_id=req.task_id)
+    env.setdefault("HOME", os.environ.get("HOME", "/"))
     try:
         proc = subprocess.run(
             req.argv,
             cwd=req.cwd,
-            env={**os.environ, **req.env},
-            stdin=subprocess.DEVNULL,
+            env=env,
+            stdin=subprocess.DEVNULL if req.stdin_data is None else None,
+            input=req.stdin_data,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             timeout=req.deadline,

@@ -14,11 +14,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from overnight.worker.stepenv import declared_problem
+
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 ENVELOPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_TEXT = 50_000
 MAX_ARG = 10_000
 MAX_ARGS = 256
+MAX_ENV = 100
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
 def _check_argv(argv: list[str]) -> list[str]:
@@ -71,6 +75,8 @@ class TaskSpec(BaseModel):
     envelope: str = "default"
     on_unknown: Literal["pause", "retry"] = "pause"
     verifier: list[Rule] = Field(min_length=1, max_length=100)
+    # Variables the agent and every rule get on top of the allowlist (worker.stepenv).
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV)
 
     @field_validator("id")
     @classmethod
@@ -116,6 +122,22 @@ class TaskSpec(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"rule names must be unique (repeated: {', '.join(dupes)})")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if ENV_NAME_RE.match(name):
+                problem = declared_problem(name)
+            else:
+                problem = "is not a variable name (letters, digits, '_')"
+            if problem is not None:
+                raise ValueError(f"{name!r} {problem}")
+            if "\x00" in text or len(text) > MAX_ARG:
+                raise ValueError(
+                    f"{name!r}: the value must be at most {MAX_ARG} characters, no NUL"
+                )
         return value
 
     def step_deadline(self, default: float) -> float:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from overnight.config.keys import Keys
 from overnight.config.settings import ConfigError, Settings, load_settings
-from overnight.worker.cli_lease import SETTINGS_FIELDS, QuickSettings, _fast, quick_settings
+from overnight.config.validate import RULES, QuickSettings, read_fast
+from overnight.worker.cli_lease import quick_settings
 from overnight.worker.lease import Leases
 from tests.helpers import OVERNIGHT
 
@@ -33,27 +38,30 @@ def test_beat_without_a_lease_exits_64(env: dict[str, str]) -> None:
     assert proc.returncode == 64 and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_beat_renews_refuses_stale_and_ended(env: dict[str, str], leases: Leases) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=5)
-    mine = {**env, "OVERNIGHT_LEASE_ID": doc.lease_id, "OVERNIGHT_LEASE_TOKEN": str(doc.token)}
-    proc = run(["beat", "--note", "hello"], mine)
-    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
-    after = leases.get(doc.lease_id)
-    assert after is not None and after.note == "hello"
-    stale = run(["beat"], {**mine, "OVERNIGHT_LEASE_TOKEN": str(doc.token - 1)})
-    assert stale.returncode == 2 and "stale-token" in stale.stderr
-    assert len(stale.stderr.strip().splitlines()) == 1
-    leases.end(doc.lease_id, doc.token, "done", "worker-complete")
-    ended = run(["beat"], mine)
-    assert ended.returncode == 2 and "not-running:done" in ended.stderr
+def test_beat_renews_and_a_beat_after_the_end_is_refused(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    saved = tmp_path / "env.json"
+    script = (f"import json, os, subprocess; json.dump(dict(os.environ), open({str(saved)!r},"
+              f" 'w')); raise SystemExit(subprocess.run([{OVERNIGHT!r}, 'beat', '--note', 'hello'],"
+              " capture_output=True).returncode)")  # fmt: skip
+    proc = run(["supervise", "--no-output-beats", "--", sys.executable, "-c", script], env)
+    assert proc.returncode == 0, proc.stderr
+    child_env = json.loads(saved.read_text())
+    # The same channel, once its lease is over: refused for good.
+    ended = run(["beat"], {**env, **child_env})
+    assert ended.returncode == 2 and "not-running" in ended.stderr
+    assert len(ended.stderr.strip().splitlines()) == 1
 
 
-def test_beat_with_redis_down_exits_69(env: dict[str, str]) -> None:
-    from overnight.coordinator.embedded_redis import free_port
-
-    down = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-            "OVERNIGHT_LEASE_ID": "x", "OVERNIGHT_LEASE_TOKEN": "1"}  # fmt: skip
-    proc = run(["beat"], down)
+def test_beat_to_a_supervisor_that_does_not_answer_exits_69(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    path = str(tmp_path / "s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as mute:
+        mute.bind(path)
+        mute.listen(1)  # connects, never answers
+        proc = run(["beat"], {**env, "OVERNIGHT_LEASE_ID": "x", "OVERNIGHT_BEAT_SOCKET": path})
     assert proc.returncode == 69 and len(proc.stderr.strip().splitlines()) == 1
 
 
@@ -95,16 +103,19 @@ def test_lease_list(env: dict[str, str], leases: Leases) -> None:
 # --- the settings fast path -------------------------------------------------------------
 
 
-def test_settings_fields_are_in_step_with_settings() -> None:
-    assert set(Settings.model_fields) == SETTINGS_FIELDS
+def test_every_setting_has_a_rule_and_the_fast_defaults_are_the_settings_defaults() -> None:
+    assert set(Settings.model_fields) == set(RULES)
+    for field in fields(QuickSettings):
+        assert Settings.model_fields[field.name].default == field.default
 
 
 def test_fast_path_reads_what_pydantic_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"OVERNIGHT_REDIS_URL": "redis://u:pw@host.example:6380/2",
            "OVERNIGHT_NAMESPACE": "ns-1", "OVERNIGHT_HEARTBEAT_GAP": "2.5",
-           "OVERNIGHT_DEADLINE": "600", "OVERNIGHT_GRACE": "0", "OVERNIGHT_LEASE_ID": "x",
+           "OVERNIGHT_DEADLINE": " 6e2 ", "OVERNIGHT_GRACE": "0", "OVERNIGHT_LEASE_ID": "x",
+           "OVERNIGHT_BUDGET": "3", "OVERNIGHT_MODEL_URL": "http://x", "OVERNIGHT_QUEUE": "",
            "OVERNIGHT_TASK_SOMETHING": "not a setting", "PATH": "/bin"}  # fmt: skip
-    fast = _fast(env)
+    fast = read_fast(env, dotenv=False)
     assert fast == QuickSettings("redis://u:pw@host.example:6380/2", "ns-1", 2.5, 600.0, 0.0)
     _same_as_pydantic(monkeypatch, env, fast)
 
@@ -126,26 +137,26 @@ def _same_as_pydantic(
     "env",
     [
         {"OVERNIGHT_HEARTBEAT_GAP": "-1"},
-        {"OVERNIGHT_HEARTBEAT_GAP": "1e3"},
+        {"OVERNIGHT_HEARTBEAT_GAP": "inf"},
         {"OVERNIGHT_DEADLINE": "0"},
         {"OVERNIGHT_REDIS_URL": "redis://h:99999/0"},
         {"OVERNIGHT_REDIS_URL": "http://h"},
         {"OVERNIGHT_NAMESPACE": "a:b"},
+        {"OVERNIGHT_BUDGET": "lots"},
+        {"OVERNIGHT_MODEL_URL": "ftp://x"},
         {"overnight_namespace": "lower"},
-        {"OVERNIGHT_MODEL_URL": "http://x"},
         {"MODEL_URL": "http://x"},
-        {"OVERNIGHT_BUDGET": "3"},
     ],
 )
 def test_fast_path_defers_anything_unusual(env: dict[str, str]) -> None:
-    assert _fast(env) is None
+    assert read_fast(env, dotenv=False) is None
 
 
 def test_a_dotenv_file_defers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert _fast({}) is not None
+    assert read_fast({}) is not None
     (tmp_path / ".env").write_text("OVERNIGHT_HEARTBEAT_GAP=abc\n")
-    assert _fast({}) is None
+    assert read_fast({}) is None
 
 
 def test_quick_settings_reports_bad_values_like_the_settings(
@@ -169,11 +180,20 @@ def test_quick_settings_reports_bad_values_like_the_settings(
     url=st.one_of(st.just("redis://127.0.0.1:6379/0"), st.text(max_size=40).map(
         lambda s: "redis://" + s)),
 )  # fmt: skip
-def test_fast_path_only_accepts_what_pydantic_accepts(gap: str, ns: str, url: str) -> None:
-    env = {"OVERNIGHT_HEARTBEAT_GAP": gap, "OVERNIGHT_NAMESPACE": ns, "OVERNIGHT_REDIS_URL": url}
-    fast = _fast(env)
-    if fast is None or "\0" in gap + ns + url:
+def test_fast_path_and_settings_agree(gap: str, ns: str, url: str) -> None:
+    """Same rules both ways: what one accepts the other reads alike, what one refuses the
+    other refuses."""
+    if "\0" in gap + ns + url:
         return
-    s = Settings(redis_url=url, namespace=ns, heartbeat_gap=gap)  # type: ignore[arg-type]
+    env = {"OVERNIGHT_HEARTBEAT_GAP": gap, "OVERNIGHT_NAMESPACE": ns, "OVERNIGHT_REDIS_URL": url}
+    fast = read_fast(env, dotenv=False)
+    given_ = {k: v for k, v in (("redis_url", url), ("namespace", ns), ("heartbeat_gap", gap))
+              if v != ""}  # fmt: skip
+    try:
+        s = Settings(**given_)  # type: ignore[arg-type]
+    except ValidationError:
+        assert fast is None
+        return
+    assert fast is not None
     assert (s.redis_url, s.namespace, s.heartbeat_gap) == (
         fast.redis_url, fast.namespace, fast.heartbeat_gap)  # fmt: skip

@@ -1,89 +1,144 @@
-"""``worker.pulse``: beat() and the pulse thread, against the real private Redis."""
+"""``worker.pulse``: beat() and the pulse thread over the beat channel (no Redis involved),
+against a real :class:`~worker.beatchannel.Channel` served from a thread, and end to end
+under ``overnight supervise``."""
 
 from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from overnight.config.keys import Keys
 from overnight.worker import pulse
-from overnight.worker.lease import LeaseDoc, LeaseRefused, Leases
-from tests.helpers import wait_for
+from overnight.worker.beatchannel import Beat, Channel
+from overnight.worker.lease import LeaseRefused, Leases
+from overnight.worker.procs import read_proc
+from tests.helpers import start, wait_for
+
+
+class Served:
+    """A channel whose root is ``root`` (this process by default), answered from a thread."""
+
+    def __init__(self, root: int, gap: float = 0.6) -> None:
+        self.channel = Channel("lease-under-test")
+        self.gap = gap
+        self.beats: list[Beat] = []
+        self.poller = select.poll()
+        row = read_proc(root)
+        self.channel.attach(self.poller, root, row.start if row else None)
+        self.environ = self.channel.environment()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _answer(self, beat: Beat) -> float:
+        return self.gap
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for fd, _mask in self.poller.poll(50):
+                if self.channel.handles(fd):
+                    self.beats.extend(self.channel.event(fd, self._answer))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.channel.close()
 
 
 @pytest.fixture
-def leases(r: redis.Redis, namespace: str) -> Leases:
-    return Leases(r, Keys(namespace))
+def served() -> Iterator[Served]:
+    s = Served(os.getpid())
+    yield s
+    s.close()
 
 
-def _enter(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], doc: LeaseDoc) -> None:
-    """Make this process look like a supervised child of ``doc``."""
-    monkeypatch.setenv("OVERNIGHT_LEASE_ID", doc.lease_id)
-    monkeypatch.setenv("OVERNIGHT_LEASE_TOKEN", str(doc.token))
-
-
-def test_beat_outside_a_lease_raises(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OVERNIGHT_LEASE_ID", raising=False)
+def test_beat_outside_a_lease_raises() -> None:
     with pytest.raises(pulse.NoLease):
-        pulse.beat()
-    monkeypatch.setenv("OVERNIGHT_LEASE_ID", "x")
-    monkeypatch.setenv("OVERNIGHT_LEASE_TOKEN", "not-a-number")
+        pulse.beat(environ={})
     with pytest.raises(pulse.NoLease):
-        pulse.beat()
+        pulse.beat(environ={"OVERNIGHT_LEASE_ID": "x"})
 
 
-def test_beat_renews_and_notes(
-    env: dict[str, str], leases: Leases, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=2)
-    _enter(monkeypatch, env, doc)
-    assert 1.5 < pulse.beat(note="halfway") <= 2.0
-    after = leases.get(doc.lease_id)
-    assert after is not None and after.note == "halfway"
-    assert after.heartbeat_unix > doc.heartbeat_unix
+def test_beat_reaches_the_channel_with_its_note(served: Served) -> None:
+    assert pulse.beat(note="halfway", environ=served.environ) == pytest.approx(0.6)
+    pulse.beat(environ=served.environ)
+    # The reply goes out before the serving thread records the beat: wait for the record.
+    assert wait_for(lambda: served.beats if len(served.beats) == 2 else None, timeout=5) == [
+        Beat("halfway"), Beat(None)]  # fmt: skip
 
 
-def test_beat_with_a_stale_token_is_refused(
-    env: dict[str, str], leases: Leases, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=2)
-    monkeypatch.setenv("OVERNIGHT_LEASE_ID", doc.lease_id)
-    monkeypatch.setenv("OVERNIGHT_LEASE_TOKEN", str(doc.token + 1))
+def test_a_beat_for_another_lease_id_is_refused(served: Served) -> None:
+    environ = {**served.environ, "OVERNIGHT_LEASE_ID": "some-other-lease"}
     with pytest.raises(LeaseRefused) as err:
-        pulse.beat()
-    assert err.value.reason == "stale-token"
+        pulse.beat(environ=environ)
+    assert err.value.reason == "bad-request" and served.beats == []
 
 
-def test_pulse_keeps_the_lease_alive_past_the_gap(
-    env: dict[str, str], leases: Leases, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=0.6)
-    _enter(monkeypatch, env, doc)
-    with pulse.pulse() as p:
+def test_a_process_outside_the_tree_is_refused(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    s = Served(sleeper.pid)  # the channel of a tree this test process is not part of
+    try:
+        with pytest.raises(LeaseRefused) as err:
+            pulse.beat(environ=s.environ)
+        assert err.value.reason == "not-this-lease" and s.beats == []
+        assert s.channel.refused == 1
+    finally:
+        s.close()
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_pulse_beats_at_a_third_of_the_gap(served: Served) -> None:
+    with pulse.pulse(environ=served.environ) as p:
         assert p.interval == pytest.approx(0.2)
-        wait_for(lambda: p.beats >= 6, timeout=10)
-        assert leases.is_alive(doc.lease_id)
+        wait_for(lambda: p.beats >= 3, timeout=10)
     assert not p.alive and p.refused is None
-    # Once the block is left nothing beats any more: the lease lapses.
-    wait_for(lambda: not leases.is_alive(doc.lease_id), timeout=5)
+    count = len(served.beats)
+    assert count >= 4  # the first beat, then the thread's
 
 
-def test_pulse_stops_for_good_once_refused(
-    env: dict[str, str], leases: Leases, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=1)
-    _enter(monkeypatch, env, doc)
-    with pulse.pulse(interval=0.05) as p:
-        leases.end(doc.lease_id, doc.token, "killed", "reaped: test")
+def test_pulse_stops_for_good_once_refused(served: Served) -> None:
+    with pulse.pulse(interval=0.05, environ=served.environ) as p:
+        wait_for(lambda: p.beats >= 1, timeout=10)
+        served.close()  # the lease ends: its channel is gone
         wait_for(lambda: not p.alive, timeout=5)
-        assert p.refused is not None and p.refused.reason == "not-running:killed"
+        assert p.refused is not None and p.refused.reason.startswith("not-running")
 
 
-def test_pulse_on_a_dead_lease_raises_at_once(
-    env: dict[str, str], leases: Leases, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=1)
-    leases.end(doc.lease_id, doc.token, "done", "worker-complete")
-    _enter(monkeypatch, env, doc)
-    with pytest.raises(LeaseRefused), pulse.pulse():
+def test_pulse_on_a_closed_channel_raises_at_once(served: Served) -> None:
+    served.close()
+    with pytest.raises(LeaseRefused), pulse.pulse(environ=served.environ):
         pytest.fail("the block must not run")
+
+
+def test_a_note_from_the_child_reaches_the_lease(
+    env: dict[str, str], r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    script = (
+        "import os, time\nfrom overnight import beat\n"
+        "left = beat(note='halfway')\nassert 0 < left <= 5, left\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+    )
+    proc = start(["--gap", "5", "--lease-id", f"note-{namespace}", "--", sys.executable, "-c",
+                  script], env)  # fmt: skip
+    try:
+        leases = Leases(r, Keys(namespace))
+
+        def noted() -> bool:
+            doc = leases.get(f"note-{namespace}")
+            return doc is not None and doc.note == "halfway"
+
+        wait_for(noted, timeout=10)
+    finally:
+        go.touch()
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

@@ -165,10 +165,12 @@ def test_namespace_a_cannot_read_beat_end_or_spend_anything_of_b(
             attempt()
         assert refused.value.reason == "unknown"
     env_a = {**env, "OVERNIGHT_NAMESPACE": a.namespace}
+    # `overnight beat` holds no Redis client at all: without its supervisor's channel it is
+    # no lease, whatever ids and tokens the environment names.
     beat = subprocess.run([OVERNIGHT, "beat"], capture_output=True, text=True, timeout=30,
                           env={**env_a, "OVERNIGHT_LEASE_ID": lease_b.lease_id,
                                "OVERNIGHT_LEASE_TOKEN": str(lease_b.token)})  # fmt: skip
-    assert beat.returncode == 2, beat.stderr
+    assert beat.returncode == 64, beat.stderr
     for args, code in [
         (["lease", "show", lease_b.lease_id], 64),
         (["envelope", "consume", "model"], 2),
@@ -182,17 +184,22 @@ def test_namespace_a_cannot_read_beat_end_or_spend_anything_of_b(
     assert {k: r.dump(k) for k in r.keys(b.prefix + ":*")} == before
 
 
-# --- a supervised child holds only its own token ----------------------------------------------
+# --- a supervised child that reached Redis anyway ---------------------------------------------
 
+# A step gets no Redis URL and no token (tests/test_containment_env.py); here it learned the
+# URL some other way (argv stands in for the leak) and reads its own token from its lease
+# record: the scripts still refuse every forged write.
 CHILD = """
 import json, os, sys
 import redis
 from overnight.config.keys import Keys
 from overnight.worker.lease import LeaseRefused, Leases
-own, token = os.environ["OVERNIGHT_LEASE_ID"], int(os.environ["OVERNIGHT_LEASE_TOKEN"])
-other, other_token = sys.argv[1], int(sys.argv[2])
-leases = Leases(redis.Redis.from_url(os.environ["OVERNIGHT_REDIS_URL"], decode_responses=True),
-                Keys(os.environ["OVERNIGHT_NAMESPACE"]))
+assert "OVERNIGHT_LEASE_TOKEN" not in os.environ and "OVERNIGHT_REDIS_URL" not in os.environ
+other, other_token, url, namespace = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+own = os.environ["OVERNIGHT_LEASE_ID"]
+client = redis.Redis.from_url(url, decode_responses=True)
+token = int(client.hget(Keys(namespace).lease(own), "token"))
+leases = Leases(client, Keys(namespace))
 tries = {
     "beat other with own token": lambda: leases.beat(other, token),
     "end other with own token": lambda: leases.end(other, token, "done", "forged"),
@@ -226,11 +233,10 @@ def test_a_supervised_child_cannot_forge_ends_or_beat_another_lease(
     victim = Leases(r, keys).acquire(budget_sec=600, gap_sec=600)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    child_env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run(
         [OVERNIGHT, "supervise", "--gap", "5", "--", PY, str(script), victim.lease_id,
-         str(victim.token)],
-        env=child_env, capture_output=True, text=True, timeout=30,
+         str(victim.token), env["OVERNIGHT_REDIS_URL"], namespace],
+        env=env, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     verdicts = json.loads(proc.stdout.splitlines()[0])
@@ -264,21 +270,26 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
     seen += [config.stdout, config.stderr]
     assert json.loads(config.stdout)["model_api_key"] == "********"
 
-    # argv of every process while a task runs (the key reaches the model step's env only).
+    # argv of every process while a task runs, and the environment of every step process
+    # (the key reaches the model step on its stdin only, never an environment).
     path = task_file(tmp_path, "quiet", None, [["true"]])
     assert run(tenv, "envelope", "reset", "5").returncode == 0
     assert run(tenv, "submit", str(path)).returncode == 0
     worker = subprocess.Popen([OVERNIGHT, "worker", "--burst"], env=tenv, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     argvs: set[str] = set()
+    step_envs: set[str] = set()
     while worker.poll() is None:
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 with contextlib.suppress(OSError):
                     argvs.add(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+                    environ = Path(f"/proc/{pid}/environ").read_bytes()
+                    if b"OVERNIGHT_BEAT_SOCKET=" in environ:
+                        step_envs.add(environ.decode(errors="replace"))
     out, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, out[-3000:]
-    seen += [out, *argvs]
+    seen += [out, *argvs, *step_envs]
     for args in (["receipts"], ["status", "quiet"], ["report"], ["lease", "list", "--json"]):
         proc = run(tenv, *args)
         assert proc.returncode == 0, proc.stderr

@@ -48,20 +48,31 @@ def test_happy_path(env: dict[str, str], r: redis.Redis, namespace: str) -> None
 def test_child_env_and_stdin(env: dict[str, str], namespace: str, tmp_path: Path) -> None:
     script = (
         "import json, os, sys; "
-        "keys = ['OVERNIGHT_LEASE_ID', 'OVERNIGHT_LEASE_TOKEN', 'OVERNIGHT_REDIS_URL', "
-        "'OVERNIGHT_NAMESPACE']; "
-        "print(json.dumps({k: os.environ.get(k) for k in keys})); "
+        "print(json.dumps(dict(os.environ))); "
         "print(os.readlink('/proc/self/fd/0')); print(repr(sys.stdin.read()))"
     )
-    code, doc, out = supervise(["--", PY, "-c", script], env)
+    extra = {**env, "LANG": "C.UTF-8", "SOMETHING_ELSE": "x", "MINE": "from-here"}
+    code, doc, out = supervise(["--env", "MINE", "--env", "SET=1", "--", PY, "-c", script], extra)
     assert code == 0
     seen = json.loads(out.splitlines()[0])
     assert seen["OVERNIGHT_LEASE_ID"] == doc["lease_id"]
-    assert seen["OVERNIGHT_LEASE_TOKEN"] == str(doc["token"])
-    assert seen["OVERNIGHT_REDIS_URL"] == env["OVERNIGHT_REDIS_URL"]
-    assert seen["OVERNIGHT_NAMESPACE"] == namespace
+    assert os.path.isabs(seen["OVERNIGHT_BEAT_SOCKET"])
+    assert (seen["LANG"], seen["MINE"], seen["SET"]) == ("C.UTF-8", "from-here", "1")
+    for name in ("OVERNIGHT_LEASE_TOKEN", "OVERNIGHT_REDIS_URL", "OVERNIGHT_NAMESPACE",
+                 "SOMETHING_ELSE"):  # fmt: skip
+        assert name not in seen
+    assert seen["TMPDIR"] == os.path.join(seen["HOME"], "tmp")
+    assert seen["HOME"] != os.environ.get("HOME") and not os.path.exists(seen["HOME"])
+    assert not os.path.exists(seen["OVERNIGHT_BEAT_SOCKET"])  # both removed at the end
     assert out.splitlines()[1] == "/dev/null"
     assert out.splitlines()[2] == "''"
+
+
+@pytest.mark.parametrize("item", ["OVERNIGHT_REDIS_URL", "X_API_KEY=1", "HOME=/", "REDISCLI_AUTH"])
+def test_env_option_refuses_credentials_and_reserved_names(env: dict[str, str], item: str) -> None:
+    proc = subprocess.run([OVERNIGHT, "supervise", "--env", item, "--", "true"], env=env,
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 64 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_child_exit_is_noticed_at_once(env: dict[str, str]) -> None:
@@ -318,13 +329,15 @@ def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
 def test_bad_configuration_exits_78(env: dict[str, str]) -> None:
     for var, value in [("OVERNIGHT_HEARTBEAT_GAP", "-3"), ("OVERNIGHT_REDIS_URL", "http://x"),
                        ("OVERNIGHT_MODEL_URL", "ftp://x")]:  # fmt: skip
-        for cmd in (["supervise", "--", "true"], ["beat"]):
-            extra = {"OVERNIGHT_LEASE_ID": "x", "OVERNIGHT_LEASE_TOKEN": "1"}
-            proc = subprocess.run([OVERNIGHT, *cmd], env={**env, **extra, var: value},
-                                  capture_output=True, text=True, timeout=30)  # fmt: skip
-            assert proc.returncode == 78, (var, cmd, proc.stderr)
-            assert var.removeprefix("OVERNIGHT_") in proc.stderr or var in proc.stderr
-            assert len(proc.stderr.strip().splitlines()) == 1
+        proc = subprocess.run([OVERNIGHT, "supervise", "--", "true"], env={**env, var: value},
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert proc.returncode == 78, (var, proc.stderr)
+        assert var.removeprefix("OVERNIGHT_") in proc.stderr or var in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        # `beat` reads no settings at all: outside a lease it is exit 64 whatever they say.
+        beat = subprocess.run([OVERNIGHT, "beat"], env={**env, var: value},
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert beat.returncode == 64, beat.stderr
 
 
 def test_help_explains(env: dict[str, str]) -> None:
@@ -335,7 +348,7 @@ def test_help_explains(env: dict[str, str]) -> None:
     text = subprocess.run([OVERNIGHT, "supervise", "--help"], env=env, capture_output=True,
                           text=True, timeout=30).stdout  # fmt: skip
     for option in ("--deadline", "--gap", "--grace", "--lease-id", "--lease-file", "--quiet",
-                   "--no-output-beats", "--beat-while-alive"):  # fmt: skip
+                   "--no-output-beats", "--beat-while-alive", "--env"):  # fmt: skip
         assert option in text
 
 

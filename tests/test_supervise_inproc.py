@@ -57,11 +57,20 @@ def test_the_subreaper_state_is_restored_after_a_step(r: redis.Redis, namespace:
     assert seen == [True] and not tree.is_child_subreaper()
 
 
-def test_the_child_env_gets_extra_variables(r: redis.Redis, namespace: str) -> None:
+def test_the_child_env_gets_extra_variables_and_no_credential(
+    r: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OVERNIGHT_MODEL_API_KEY", "sk-never-here")
     lines: list[bytes] = []
-    spec = StepSpec(argv=["sh", "-c", "echo $EXTRA $OVERNIGHT_NAMESPACE"], env={"EXTRA": "x1"})
+    spec = StepSpec(argv=["sh", "-c", "echo $EXTRA; env"], env={"EXTRA": "x1", "X_API_KEY": "k"},
+                    task_id="t-1")  # fmt: skip
     result = run_supervised(r, Keys(namespace), spec, on_output=lines.append)
-    assert result.exit_code == 0 and lines == [f"x1 {namespace}\n".encode()]
+    assert result.exit_code == 0 and lines[0] == b"x1\n"
+    names = {line.split(b"=", 1)[0].decode() for line in lines[1:]}
+    assert {"OVERNIGHT_LEASE_ID", "OVERNIGHT_BEAT_SOCKET", "OVERNIGHT_TASK_ID", "HOME"} <= names
+    assert not names & {"OVERNIGHT_REDIS_URL", "OVERNIGHT_NAMESPACE", "OVERNIGHT_LEASE_TOKEN",
+                        "OVERNIGHT_MODEL_API_KEY", "X_API_KEY"}  # fmt: skip
+    assert b"sk-never-here" not in b"".join(lines)
 
 
 def test_a_hang_in_process_is_killed_and_reaped(

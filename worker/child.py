@@ -45,6 +45,21 @@ def subreaper() -> Iterator[None]:
                 tree.set_child_subreaper(False)
 
 
+def _filled_pipe(data: bytes) -> int:
+    """The read end of a pipe holding ``data`` with its write end closed."""
+    if len(data) > 65536:  # a pipe's buffer: more would block us before the child reads
+        raise OSError(f"stdin data of {len(data)} bytes is too large")
+    read, write = os.pipe2(os.O_CLOEXEC)
+    try:
+        os.write(write, data)
+    except OSError:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    return read
+
+
 class Child:
     """One started command: its process, a pidfd that polls readable once it exits, its start
     time (clock ticks, for telling a reused PID apart) and its output pipes."""
@@ -57,18 +72,28 @@ class Child:
         env: dict[str, str],
         on_output: Callable[[bytes], None] | None,
         describe: str,
+        stdin_data: bytes | None = None,
     ) -> None:
-        """Start ``argv`` with stdin from /dev/null; raises OSError if it cannot start."""
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            bufsize=0,
-        )
+        """Start ``argv`` with stdin from /dev/null, or from a pipe that already holds all of
+        ``stdin_data`` (written and closed before the child starts, so it never waits on
+        us); raises OSError if it cannot start."""
+        stdin: int = subprocess.DEVNULL
+        if stdin_data is not None:
+            stdin = _filled_pipe(stdin_data)
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                bufsize=0,
+            )
+        finally:
+            if stdin_data is not None:
+                os.close(stdin)
         self.pid = self.proc.pid
         self.pidfd = os.pidfd_open(self.pid)
         row = tree.read_proc(self.pid)

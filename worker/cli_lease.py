@@ -1,9 +1,11 @@
 """``overnight supervise``, ``overnight beat`` and ``overnight lease show|list``.
 
-Thin commands over :mod:`worker.supervisor`, :mod:`worker.pulse` and :mod:`worker.lease`.
-``supervise`` and ``beat`` are on hot paths (beat is called in loops), so neither imports
-pydantic: unless something needs the full settings machinery, the few settings they use
-are read straight from the environment (see :func:`quick_settings`).
+Thin commands over :mod:`worker.supervisor`, :mod:`worker.beatchannel` and
+:mod:`worker.lease`. ``supervise`` and ``beat`` are on hot paths (beat is called in loops),
+so neither imports pydantic: ``beat`` needs no settings at all (only the channel in its
+environment), and ``supervise`` reads its few settings with the same rules ``Settings``
+uses (:func:`config.validate.read_fast`), falling back to ``Settings`` whenever only it can
+decide.
 """
 
 from __future__ import annotations
@@ -12,84 +14,22 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import click
 
-from overnight.config.exits import EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.exits import EXIT_REDIS_DOWN, EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.validate import NAME_RE, NAME_RULE, QuickSettings, read_fast
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-# Every field of config.settings.Settings (a test keeps this list in step with it).
-SETTINGS_FIELDS = frozenset({
-    "redis_url", "namespace", "queue", "heartbeat_gap", "deadline", "grace", "budget",
-    "model_url", "model_api_key", "model_name", "model_timeout", "request_id_ttl",
-    "reaper_interval", "reaper_host_ttl", "max_lost_leases", "task_claim_ttl",
-    "recovery_interval",
-})  # fmt: skip
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_NUMBER = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,9})?$")
-_URL = re.compile(
-    r"^(rediss?://([^@/?#\s]+@)?[A-Za-z0-9.-]+(:(?P<port>[0-9]{1,5}))?(/[0-9]*)?"
-    r"|unix://(/[^?#\s@]+))$"
-)
-
-
-@dataclass(frozen=True)
-class QuickSettings:
-    """The settings ``supervise`` and ``beat`` need."""
-
-    redis_url: str
-    namespace: str
-    heartbeat_gap: float
-    deadline: float
-    grace: float
-
-
-def _fast(environ: Mapping[str, str]) -> QuickSettings | None:
-    """The settings from the environment, or None whenever full validation must decide.
-
-    Accepts only values the full settings accept and read the same way; anything else
-    (a ``.env`` file, another setting, an odd-looking value) goes to pydantic-settings,
-    which also produces the one-line error for a bad value.
-    """
-    if os.path.exists(".env"):
-        return None
-    values = {"redis_url": "redis://127.0.0.1:6379/0", "namespace": "overnight",
-              "heartbeat_gap": "30", "deadline": "180", "grace": "5"}  # fmt: skip
-    for key, value in environ.items():
-        low = key.lower()
-        if low == "model_url":
-            return None
-        if not low.startswith("overnight_") or low[10:] not in SETTINGS_FIELDS:
-            continue  # not a setting: pydantic-settings ignores it too
-        name = low[10:]
-        if key != key.upper() or (name not in values and name != "queue"):
-            return None
-        if name in ("namespace", "queue"):
-            if not _NAME.match(value):
-                return None
-        elif name == "redis_url":
-            m = _URL.match(value)
-            if not m or (m.group("port") and int(m.group("port")) > 65535):
-                return None
-        elif not _NUMBER.match(value) or (name != "grace" and float(value) <= 0):
-            return None
-        values[name] = value
-    return QuickSettings(
-        redis_url=values["redis_url"],
-        namespace=values["namespace"],
-        heartbeat_gap=float(values["heartbeat_gap"]),
-        deadline=float(values["deadline"]),
-        grace=float(values["grace"]),
-    )
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
-    """Settings for the hot commands; raises ``ConfigError`` (exit 78) on a bad value."""
-    fast = _fast(os.environ if environ is None else environ)
+    """Settings for ``supervise``; raises ``ConfigError`` (exit 78) on a bad value."""
+    fast = read_fast(os.environ if environ is None else environ)
     if fast is not None:
         return fast
     from overnight.config.context import settings
@@ -109,13 +49,27 @@ def _seconds(name: str, value: float | None, default: float, *, zero_ok: bool = 
 
 def check_lease_id(value: str) -> str:
     """``value`` if it is a usable lease id, else a usage error (exit 64)."""
-    if not _NAME.match(value):
-        raise click.BadParameter(
-            "must be 1-64 characters of letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit",
-            param_hint="lease id",
-        )
+    if not NAME_RE.match(value):
+        raise click.BadParameter(NAME_RULE, param_hint="lease id")
     return value
+
+
+def step_env_options(items: tuple[str, ...], environ: Mapping[str, str]) -> dict[str, str]:
+    """``--env NAME=VALUE`` / ``--env NAME`` (passed on from here) as variables for the
+    child; a credential or a name overnight sets itself is a usage error (exit 64)."""
+    from overnight.worker.stepenv import declared_problem
+
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        problem = declared_problem(name) if _ENV_NAME.match(name) else "is not a variable name"
+        if problem is not None:
+            raise click.BadParameter(f"{name!r} {problem}", param_hint="--env")
+        if eq:
+            out[name] = value
+        elif name in environ:
+            out[name] = environ[name]
+    return out
 
 
 _SUPERVISE_HELP = """Run CMD under one lease, on this host, and exit with how it ended.
@@ -125,10 +79,14 @@ The lease lapses when CMD is silent for the gap or runs past the deadline; then
 its whole tree (process group, session, setsid'd and double-forked escapees) gets
 SIGTERM, the grace, then SIGKILL. A beat is an output line (unless
 --no-output-beats), `overnight beat` or worker.pulse run by any descendant, or
-with --beat-while-alive the child merely living. CMD gets OVERNIGHT_LEASE_ID,
-OVERNIGHT_LEASE_TOKEN, OVERNIGHT_REDIS_URL and OVERNIGHT_NAMESPACE; its stdin is
-/dev/null and its output is passed through. At the end the lease document is
-printed as indented JSON (unless --quiet).
+with --beat-while-alive the child merely living.
+
+\b
+CMD gets no Redis URL, credential or lease token: its environment is PATH, LANG,
+LANGUAGE, LC_*, TERM and TZ from here, the --env variables, HOME and TMPDIR in a
+scratch folder removed at the end, OVERNIGHT_LEASE_ID and OVERNIGHT_BEAT_SOCKET (the
+supervisor's beat channel). Its stdin is /dev/null and its output is passed
+through. At the end the lease document is printed as indented JSON (unless --quiet).
 
 \b
 Exit: 0 done, N the child's exit N, 128+S child or supervisor got signal S,
@@ -177,6 +135,13 @@ Example: overnight supervise --gap 10 --deadline 600 -- python agent.py
     is_flag=True,
     help="Beat on a timer while CMD lives (the deadline still applies).",
 )
+@click.option(
+    "--env",
+    "env_items",
+    multiple=True,
+    metavar="NAME[=VALUE]",
+    help="Give CMD this variable (NAME alone: its value here). Repeatable.",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARG]...")
 def supervise_command(
     deadline: float | None,
@@ -187,6 +152,7 @@ def supervise_command(
     quiet: bool,
     no_output_beats: bool,
     beat_while_alive: bool,
+    env_items: tuple[str, ...],
     cmd: tuple[str, ...],
 ) -> None:  # fmt: skip
     from overnight.worker import supervisor
@@ -195,7 +161,7 @@ def supervise_command(
     catcher = supervisor.SignalCatcher.install()
     try:
         code = _supervise(catcher, deadline, gap, grace, lease_id, lease_file, quiet,
-                          no_output_beats, beat_while_alive, list(cmd))  # fmt: skip
+                          no_output_beats, beat_while_alive, env_items, list(cmd))  # fmt: skip
     finally:
         catcher.close()
     raise click.exceptions.Exit(code)
@@ -211,6 +177,7 @@ def _supervise(
     quiet: bool,
     no_output_beats: bool,
     beat_while_alive: bool,
+    env_items: tuple[str, ...],
     argv: list[str],
 ) -> int:  # fmt: skip
     from overnight.config.keys import Keys
@@ -228,7 +195,7 @@ def _supervise(
         lease_file=lease_file,
         output_beats=not no_output_beats,
         beat_while_alive=beat_while_alive,
-        redis_url=s.redis_url,
+        env=step_env_options(env_items, os.environ),
     )
     client = supervisor.client_for_url(s.redis_url, spec.gap)
     try:
@@ -246,24 +213,23 @@ def beat_command(note: str | None) -> None:
     """Renew the lease this process runs under (for the supervised child and its descendants).
 
     \b
-    Reads OVERNIGHT_LEASE_ID, OVERNIGHT_LEASE_TOKEN, OVERNIGHT_REDIS_URL and
-    OVERNIGHT_NAMESPACE, which `overnight supervise` hands its child. Prints nothing.
-    Exit: 0 renewed, 2 refused (stale token, lapsed or ended: the lease never comes
-    back), 64 no lease in the environment, 69 Redis unreachable.
+    Asks the supervisor through its beat channel (OVERNIGHT_LEASE_ID and
+    OVERNIGHT_BEAT_SOCKET, which `overnight supervise` hands its child); no Redis.
+    Prints nothing. Exit: 0 renewed, 2 refused (the lease is over and never comes
+    back, or this process is not of the lease's tree), 64 no lease in the
+    environment, 69 the supervisor did not answer.
     """
+    from overnight.worker.beatchannel import ChannelDown, NoChannel, send_beat
     from overnight.worker.lease import LeaseRefused
-    from overnight.worker.pulse import LeaseEnv, NoLease, beat
 
     try:
-        lease = LeaseEnv.from_env()
-    except NoLease as exc:
+        send_beat(note)
+    except NoChannel as exc:
         raise CommandError(f"{exc}; run this under overnight supervise", EXIT_USAGE) from None
-    s = quick_settings()
-    lease = LeaseEnv(lease.lease_id, lease.token, s.redis_url, s.namespace)
-    try:
-        beat(note, lease=lease)
     except LeaseRefused as exc:
         raise CommandError(f"beat {exc}", EXIT_REFUSED) from None
+    except ChannelDown as exc:
+        raise CommandError(str(exc), EXIT_REDIS_DOWN) from None
 
 
 @click.group("lease", context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,13 +1,16 @@
 """Running one command under one lease: beats, lapse detection, fail-closed, and the tree kill.
 
 The loop waits on everything at once (``select.poll``): the child's pidfd, its output pipes,
-the signal wakeup pipe, and a timer for the next moment the lease could lapse, a beat is
-due or a Redis retry is due. Nothing here polls by sleeping. Usable in-process (an RQ work
-horse) as well as from ``overnight supervise``; signal handlers only when asked.
+the beat channel's socket, the signal wakeup pipe, and a timer for the next moment the
+lease could lapse, a beat is due or a Redis retry is due. Nothing here polls by sleeping.
+Usable in-process (an RQ work horse) as well as from ``overnight supervise``; signal
+handlers only when asked.
 
 The parts: :mod:`worker.child` (the child and its tree), :mod:`worker.output` (its pipes),
 :mod:`worker.keeper` (the lease), :mod:`worker.outcome` (how a step ends),
-:mod:`worker.signals` and :mod:`worker.clients`.
+:mod:`worker.signals` and :mod:`worker.clients`; the child's environment is
+:mod:`worker.stepenv`'s allowlist (no credential) and it beats through
+:mod:`worker.beatchannel`, never Redis.
 """
 
 from __future__ import annotations
@@ -24,11 +27,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker import outcome, procs, proof, tree
+from overnight.worker import outcome, procs, proof, stepenv, tree
+from overnight.worker.beatchannel import Beat, Channel
 from overnight.worker.child import Child, subreaper
-from overnight.worker.clients import client_for_url, io_timeout, supervisor_client, url_of
+from overnight.worker.clients import (
+    client_for_url,
+    io_timeout,
+    redis_errors,
+    supervisor_client,
+    url_of,
+)
 from overnight.worker.keeper import Keeper
-from overnight.worker.lease import LeaseDoc, Leases
+from overnight.worker.lease import LeaseDoc, LeaseRefused, Leases
 from overnight.worker.outcome import Outcome
 from overnight.worker.signals import FORWARDED, SignalCatcher
 
@@ -43,10 +53,13 @@ class StepSpec:
     """One command to run under one lease.
 
     ``deadline`` is the lease budget, ``gap`` the longest silence allowed, ``grace`` the
-    time between SIGTERM and SIGKILL, all in seconds. ``env`` is merged over this process's
-    environment. ``redis_url`` is what the child gets as ``OVERNIGHT_REDIS_URL`` (default:
-    rebuilt from the client). ``install_signals`` makes SIGTERM/SIGINT/SIGHUP to this
-    process end the step (main thread only; the CLI uses it, an RQ horse does not).
+    time between SIGTERM and SIGKILL, all in seconds. ``env`` is what the step adds to the
+    allowlisted environment (:func:`worker.stepenv.step_environment`: the task's declared
+    variables, overnight's step variables; never a credential). ``stdin_data``, if given, is
+    the child's whole stdin (a pre-filled pipe; else /dev/null): how overnight's own model
+    step gets its settings without the environment. ``install_signals`` makes
+    SIGTERM/SIGINT/SIGHUP to this process end the step (main thread only; the CLI uses it,
+    an RQ horse does not).
     """
 
     argv: list[str]
@@ -61,7 +74,7 @@ class StepSpec:
     lease_file: str | None = None
     task_id: str | None = None
     install_signals: bool = False
-    redis_url: str | None = None
+    stdin_data: bytes | None = None
     note: str = "boot"
 
 
@@ -134,6 +147,10 @@ class _Run:
         self.leases = Leases(self.client, keys)
         self.host = procs.hostname()
         self.child: Child | None = None
+        self.channel: Channel | None = None
+        self.home: str | None = None
+        self.note: str | None = None  # a note from the step not yet written
+        self.note_at = 0.0
         self.keeper: Keeper
         self.lease_id = ""
 
@@ -151,7 +168,7 @@ class _Run:
         self.lease_id = doc.lease_id
         self.keeper = Keeper(self.leases, doc, gap=spec.gap, deadline=spec.deadline,
                              beat_while_alive=spec.beat_while_alive, host=self.host,
-                             now=started)  # fmt: skip
+                             now=started, redis_beats=False)  # fmt: skip
         self._mirror(doc)
         log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
         with subreaper():
@@ -169,17 +186,15 @@ class _Run:
         if early is not None:
             return self._signal_outcome(early)
         spec = self.spec
-        env = dict(os.environ)
-        env.update(spec.env or {})
-        env.update(
-            OVERNIGHT_LEASE_ID=self.lease_id,
-            OVERNIGHT_LEASE_TOKEN=str(self.keeper.token),
-            OVERNIGHT_REDIS_URL=spec.redis_url or url_of(self.client),
-            OVERNIGHT_NAMESPACE=self.keys.namespace,
-        )
         try:
+            self.channel = Channel(self.lease_id)
+            self.home = stepenv.make_home(self.lease_id)
+            env = stepenv.step_environment(os.environ, spec.env, lease_id=self.lease_id,
+                                           task_id=spec.task_id, home=self.home,
+                                           channel=self.channel.environment())  # fmt: skip
             self.child = Child(spec.argv, cwd=spec.cwd, env=env, on_output=self.on_output,
-                               describe=f"lease={self.lease_id} host={self.host}")  # fmt: skip
+                               describe=f"lease={self.lease_id} host={self.host}",
+                               stdin_data=spec.stdin_data)  # fmt: skip
         except OSError as exc:
             log.warning("lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host,
                         spec.argv[0], exc)  # fmt: skip
@@ -197,9 +212,14 @@ class _Run:
         if self.signals is not None:
             poller.register(self.signals.read_fd, select.POLLIN)
         pipes.attach(poller)
+        channel = self.channel
+        assert channel is not None
+        channel.attach(poller, child.pid, child.ticks)
         while True:
-            wait = max(0.0, keeper.next_wake() - time.monotonic())
-            events = poller.poll(math.ceil(wait * 1000))
+            wake = keeper.next_wake()
+            if self.note is not None:
+                wake = min(wake, self.note_at)
+            events = poller.poll(math.ceil(max(0.0, wake - time.monotonic()) * 1000))
             fds = {fd for fd, _ in events}
             if child.pidfd in fds:
                 return outcome.child_ended(*child.exit_status())
@@ -211,9 +231,42 @@ class _Run:
             for fd, mask in events:
                 if pipes.handles(fd) and pipes.event(fd, mask) and self.spec.output_beats:
                     keeper.beat_pending = True
+                elif channel.handles(fd):
+                    for beat in channel.event(fd, self._answer):
+                        keeper.beat_pending = True
+                        if beat.note is not None:
+                            self.note = beat.note
+            if self.note is not None and time.monotonic() >= self.note_at:
+                self._write_note()
             ended = keeper.tick(time.monotonic())
             if ended is not None:
                 return ended
+
+    def _answer(self, _beat: Beat) -> float:
+        # Seconds a step that stays silent from now still has.
+        now = time.monotonic()
+        return max(0.0, min(now + self.spec.gap, self.keeper.deadline_at) - now)
+
+    def _write_note(self) -> None:
+        note, self.note = self.note, None
+        assert note is not None
+        try:
+            self.leases.set_note(self.lease_id, self.keeper.token, note)
+        except LeaseRefused as exc:  # the lease is ending: the keeper finds out and says why
+            log.warning("lease=%s host=%s: note refused: %s", self.lease_id, self.host,
+                        exc.reason)  # fmt: skip
+        except redis_errors():
+            if self.note is None:  # a newer note replaces this one
+                self.note = note
+        self.note_at = time.monotonic() + self.keeper.min_interval
+
+    def _close_step_env(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.home is not None:
+            stepenv.remove_home(self.home)
+            self.home = None
 
     def _pending_signal(self) -> int | None:
         if self.signals is None or not self.signals.pending:
@@ -235,6 +288,9 @@ class _Run:
 
     def _finish(self, ended: Outcome, started: float) -> SupervisedResult:
         child = self.child
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if child is not None:
             child.pipes.drain(0.0)
         report = self._kill_tree(ended)
@@ -243,6 +299,7 @@ class _Run:
             returncode = child.reap()
             child.pipes.drain(0.5)
             child.close()
+        self._close_step_env()
         ended_here, ended, doc = self.keeper.end(ended)
         self._mirror(doc)
         log.info("lease=%s host=%s task=%s: ended %s/%s, exit %d", self.lease_id, self.host,
@@ -267,6 +324,7 @@ class _Run:
             if self.child is not None:
                 self.child.reap()
                 self.child.close()
+            self._close_step_env()
             self.leases.end(self.lease_id, self.keeper.token, "killed", ended.note, exit_code=1)
 
     def _mirror(self, doc: LeaseDoc) -> None:

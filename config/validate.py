@@ -1,0 +1,218 @@
+"""Every setting's rule as a plain function, with no pydantic: one source of truth for
+:class:`config.settings.Settings` and for the hot commands' fast path (:func:`read_fast`).
+
+Each rule takes the raw value (the environment's string, or a Python value given directly)
+and returns the parsed value or raises ``ValueError`` with a message that does not repeat
+the value. ``Settings`` runs the same rule before its own type check, so the two readers
+cannot disagree on what a value means or whether it is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "OVERNIGHT_"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RULE = (
+    "must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+)
+
+
+def name(value: object) -> str:
+    """A namespace, queue or lease name."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise ValueError(NAME_RULE)
+    return value
+
+
+def redis_url(value: object) -> str:
+    """A URL redis-py can connect with: redis://, rediss:// or unix://."""
+    if not isinstance(value, str):
+        raise ValueError("must be a URL")
+    parts = urlsplit(value)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("must start with redis://, rediss:// or unix://")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("a unix:// URL needs a socket path")
+        return value
+    if not parts.hostname:
+        raise ValueError("needs a host name")
+    try:
+        _ = parts.port
+    except ValueError:
+        raise ValueError("has an invalid port") from None
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ValueError("database number must be a whole number")
+    return value
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``****``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    netloc = f"{user}:****@{host}{port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+def model_url(value: object) -> str | None:
+    """An http(s) URL, or None for unset (the echo stub)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError("must be an http:// or https:// URL")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("must be an http:// or https:// URL")
+    return value
+
+
+def text(value: object) -> str:
+    """Any text (a model name, a secret)."""
+    if not isinstance(value, str):
+        raise ValueError("must be text")
+    return value
+
+
+def secret(value: object) -> object:
+    """A secret: text, or an already wrapped secret (anything with ``get_secret_value``)."""
+    if isinstance(value, str) or hasattr(value, "get_secret_value"):
+        return value
+    raise ValueError("must be text")
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("must be a number")
+    if isinstance(value, int | float):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise ValueError("must be a number") from None
+    else:
+        raise ValueError("must be a number")
+    if not math.isfinite(number):
+        raise ValueError("must be a finite number")
+    return number
+
+
+def positive(value: object) -> float:
+    """A finite number of seconds > 0."""
+    number = _number(value)
+    if number <= 0:
+        raise ValueError("must be greater than 0")
+    return number
+
+
+def non_negative(value: object) -> float:
+    """A finite number of seconds >= 0."""
+    number = _number(value)
+    if number < 0:
+        raise ValueError("must be greater than or equal to 0")
+    return number
+
+
+def whole(minimum: int) -> Callable[[object], int]:
+    """A rule for a whole number >= ``minimum``."""
+
+    def rule(value: object) -> int:
+        if isinstance(value, bool):
+            raise ValueError("must be a whole number")
+        if isinstance(value, int):
+            number = value
+        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            number = int(value.strip())
+        else:
+            raise ValueError("must be a whole number")
+        if number < minimum:
+            raise ValueError(f"must be greater than or equal to {minimum}")
+        return number
+
+    return rule
+
+
+def optional(rule: Callable[[object], object]) -> Callable[[object], object]:
+    """``rule``, with None (unset) allowed."""
+
+    def check(value: object) -> object:
+        return None if value is None else rule(value)
+
+    return check
+
+
+# Every setting: field name -> its rule (a test keeps this in step with Settings' fields).
+RULES: dict[str, Callable[[object], object]] = {
+    "redis_url": redis_url,
+    "namespace": name,
+    "queue": name,
+    "heartbeat_gap": positive,
+    "deadline": positive,
+    "grace": non_negative,
+    "budget": optional(whole(0)),
+    "model_url": model_url,
+    "model_api_key": optional(secret),
+    "model_name": text,
+    "model_timeout": positive,
+    "request_id_ttl": whole(1),
+    "reaper_interval": positive,
+    "reaper_host_ttl": positive,
+    "max_lost_leases": whole(1),
+    "task_claim_ttl": positive,
+    "recovery_interval": positive,
+}
+
+
+@dataclass(frozen=True)
+class QuickSettings:
+    """The settings ``overnight supervise`` needs (defaults as ``Settings`` declares them)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "overnight"
+    heartbeat_gap: float = 30.0
+    deadline: float = 180.0
+    grace: float = 5.0
+
+
+def read_fast(environ: Mapping[str, str], dotenv: bool | None = None) -> QuickSettings | None:
+    """:class:`QuickSettings` read from ``environ`` by :data:`RULES`, or None when only the
+    full ``Settings`` can decide: a ``.env`` file (it reads that too; ``dotenv`` says whether
+    there is one, default: look), a name not in upper case or the ``MODEL_URL`` alias (its
+    matching rules), or a bad value of any setting (it words the one-line error).
+    """
+    if os.path.exists(".env") if dotenv is None else dotenv:
+        return None
+    values: dict[str, Any] = {}
+    for key, raw in environ.items():
+        low = key.lower()
+        if low == "model_url":
+            return None
+        if not low.startswith("overnight_"):
+            continue
+        field = low[len(ENV_PREFIX) :]
+        if field not in RULES:
+            continue  # not a setting: Settings ignores it too
+        if key != key.upper():
+            return None
+        if raw == "":
+            continue  # Settings treats an empty value as unset
+        try:
+            values[field] = RULES[field](raw)
+        except ValueError:
+            return None
+    return QuickSettings(**{k: v for k, v in values.items() if k in _QUICK})
+
+
+_QUICK = frozenset(f.name for f in fields(QuickSettings))

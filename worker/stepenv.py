@@ -1,0 +1,113 @@
+"""The environment a step runs with: an allowlist, never the supervisor's own environment.
+
+A supervised child (``overnight supervise``, an agent step, a verifier rule) gets:
+
+- from the supervisor's environment only the names in :data:`ALLOWED` (and ``LC_*``);
+- what the caller adds for the step: the task's declared ``env`` and overnight's own step
+  variables (``OVERNIGHT_TASK_ID``, ``OVERNIGHT_TURN``, the prompt variables);
+- ``HOME`` (and ``TMPDIR`` inside it): a scratch folder made for this step alone, mode
+  0700, removed when the step ends;
+- ``OVERNIGHT_LEASE_ID`` and the beat channel (:mod:`worker.beatchannel`).
+
+A credential never passes, whoever names it: :func:`is_credential` (the Redis URL, any
+``REDIS*`` name, the lease token, any ``*_API_KEY``) is dropped from every source, and the
+names overnight sets itself (:func:`is_reserved`) cannot be overridden by what a task
+declares. Task files are refused at validation for either (:func:`declared_problem`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Mapping
+
+ALLOWED = frozenset({"PATH", "LANG", "LANGUAGE", "TERM", "TZ"})
+ALLOWED_PREFIXES = ("LC_",)
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+CREDENTIALS = frozenset({"OVERNIGHT_REDIS_URL", "OVERNIGHT_LEASE_TOKEN"})
+RESERVED = frozenset({"HOME", "TMPDIR", "OVERNIGHT_LEASE_ID", "OVERNIGHT_TASK_ID",
+                      "OVERNIGHT_BEAT_SOCKET"})  # fmt: skip
+
+
+def is_credential(name: str) -> bool:
+    """True for a name that may carry a credential no step ever gets."""
+    up = name.upper()
+    return up in CREDENTIALS or up.startswith("REDIS") or up.endswith("_API_KEY")
+
+
+def is_reserved(name: str) -> bool:
+    """True for a name overnight sets for every step itself."""
+    return name.upper() in RESERVED
+
+
+def declared_problem(name: str) -> str | None:
+    """Why a task may not declare ``name`` in its ``env``, or None if it may."""
+    if not name or "=" in name or "\x00" in name:
+        return "is not a usable variable name"
+    if is_credential(name):
+        return "names a credential; a step never gets one"
+    if is_reserved(name) or name.upper().startswith("OVERNIGHT_"):
+        return "is set by overnight itself"
+    return None
+
+
+def step_environment(
+    base: Mapping[str, str],
+    declared: Mapping[str, str] | None,
+    *,
+    lease_id: str | None,
+    task_id: str | None = None,
+    home: str | None = None,
+    channel: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The whole environment of one step.
+
+    ``base`` is the supervisor's environment (only :data:`ALLOWED` names pass), ``declared``
+    what the step adds (the task's ``env``, overnight's step variables), ``home`` its scratch
+    folder, ``channel`` the beat channel's variables. Credentials are dropped from every
+    source; reserved names come only from the arguments.
+    """
+    env = {k: v for k, v in base.items() if k in ALLOWED or k.startswith(ALLOWED_PREFIXES)}
+    env.setdefault("PATH", DEFAULT_PATH)
+    for name, value in (declared or {}).items():
+        if not is_credential(name) and not is_reserved(name):
+            env[name] = value
+    for name, value in (channel or {}).items():
+        if not is_credential(name):
+            env[name] = value
+    if home is not None:
+        env["HOME"] = home
+        env["TMPDIR"] = os.path.join(home, "tmp")
+    if lease_id is not None:
+        env["OVERNIGHT_LEASE_ID"] = lease_id
+    if task_id is not None:
+        env["OVERNIGHT_TASK_ID"] = task_id
+    return env
+
+
+def make_home(lease_id: str) -> str:
+    """A fresh scratch folder for one step (mode 0700), with ``tmp/`` inside it."""
+    home = tempfile.mkdtemp(prefix=f"overnight-home-{lease_id[:24]}-")
+    os.mkdir(os.path.join(home, "tmp"), 0o700)
+    return home
+
+
+def remove_home(home: str) -> None:
+    """Remove a step's scratch folder, read-only folders it left (a Go module cache) too."""
+
+    def retry(_func: object, path: str, _exc: object) -> None:
+        # Make the parent writable (and the path itself, if a folder) and try once more.
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(path), 0o700)
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                os.chmod(path, 0o700)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+
+    shutil.rmtree(home, onerror=retry)
+    if os.path.lexists(home):
+        shutil.rmtree(home, ignore_errors=True)
