@@ -297,6 +297,9 @@ class OvernightWorker(Worker):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from overnight.worker.procs import set_dumpable
+
+        set_dumpable(False)  # `rq worker -w ...` does not come through overnight's CLI
         super().__init__(*args, **kwargs)
         self._last_recovery: float | None = None
 
@@ -354,5 +357,8 @@ class OvernightWorker(Worker):
             self.log.warning("task %s: recovery after horse death failed: %s", task_id, exc)
 
     def main_work_horse(self, job: Job, queue: Queue) -> None:
+        from overnight.worker.procs import set_dumpable
+
+        set_dumpable(False)  # inherited through fork already; a horse holds the secrets too
         _die_with_parent(self.pid or os.getppid())
         super().main_work_horse(job, queue)
