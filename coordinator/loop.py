@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.config.spawn import python_module
+from overnight.coordinator import model_step
 from overnight.coordinator.judge import begin, expired, judge, lost_step, refused, request_id
 from overnight.coordinator.states import PAUSED, RUNNING
 from overnight.coordinator.steps import StepRequest, StepRunner
@@ -200,7 +201,7 @@ class TaskLoop:
     def _request(self, rec: TaskRecord, cp: Checkpoint, deadline: float) -> StepRequest:
         spec = rec.spec
         gap = spec.step_gap(self.config.default_gap)
-        base = {"OVERNIGHT_TASK_ID": rec.id, "OVERNIGHT_TURN": str(cp.turn)}
+        base = {**spec.env, "OVERNIGHT_TASK_ID": rec.id, "OVERNIGHT_TURN": str(cp.turn)}
         if cp.step > 0:
             rule = spec.verifier[cp.step - 1]
             return StepRequest(
@@ -221,8 +222,10 @@ class TaskLoop:
         short = _clip(prompt)
         argv = [a.replace("{prompt}", short) for a in spec.agent] if spec.agent else MODEL_STEP
         env = {**base, "OVERNIGHT_PROMPT": short, "OVERNIGHT_PROMPT_FILE": str(prompt_file)}
-        if spec.agent is None:
-            env.update(self.config.model_env)
+        stdin = None
+        if spec.agent is None:  # the model settings reach the built-in step on stdin only
+            env[model_step.SETTINGS_VAR] = "stdin"
+            stdin = model_step.settings_line(self.config.model_env)
         return StepRequest(
             rec.id,
             "agent",
@@ -232,6 +235,7 @@ class TaskLoop:
             deadline,
             gap,
             self.config.grace,
+            stdin_data=stdin,
         )
 
     def _write(self, rec: TaskRecord, nxt: Next) -> str:
