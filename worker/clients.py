@@ -1,5 +1,6 @@
-"""The supervisor's Redis clients: short timeouts so a lost Redis shows within the gap, one
-client per caller pool shared by the steps of a process, and the URL the child gets."""
+"""The supervisor's Redis clients: short timeouts so a lost Redis shows within the gap, and
+one client per caller pool shared by the steps of a process. (A supervised child gets no
+Redis URL: it beats through worker.beatchannel.)"""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def _copy_client(pool: redis.ConnectionPool, t: float) -> redis.Redis | None:
 
 
 def url_of(client: redis.Redis) -> str:
-    """A redis-py URL that reaches the same server as ``client`` (for the child's env)."""
+    """A redis-py URL that reaches the same server as ``client``, credentials included (so
+    never for a step's environment)."""
     from urllib.parse import quote, urlencode
 
     kw = client.connection_pool.connection_kwargs
