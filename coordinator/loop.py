@@ -1,11 +1,11 @@
 """The turn loop of one task: agent step, then every verifier rule, until a machine says done.
 
-Each step is charged first (the task's own ``max_calls``, then the shared envelope, both
-under a request id fixed by (task, run, turn, step) so a repeated step is never charged
-twice), recorded as in flight, run, and recorded as ended: a checkpoint after every
-step. What each outcome makes of the task is the pure :mod:`judge`'s call; the loop writes
-its answer in one store call. Times are Redis server time. The loop holds the task through
-its claim; a :class:`ClaimKeeper` thread renews it.
+Each step is begun in one write (its call charged to the task's own ``max_calls`` and the
+step checkpointed as in flight), charged to the shared envelope (both under a request id
+fixed by (task, run, turn, step), so a repeated step is never charged twice), run, and
+ended in one write of what the pure :mod:`judge` makes of its outcome. Times are Redis
+server time. The loop holds the task through its claim; a :class:`ClaimKeeper` thread
+renews it.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class TaskLoop:
 
     # --- the loop ----------------------------------------------------------------------
     def _loop(self, rec: TaskRecord) -> str:
-        """Each step: the judge decides, the store writes (before the step and after it)."""
+        """Each step: one write to begin it (its charge and its in-flight mark), the run,
+        and one write of what the judge makes of its outcome."""
         spec, cp = rec.spec, rec.checkpoint
         if cp.in_flight is not None:
             lost = lost_step(cp, spec.on_unknown, self.config.max_lost_leases)
@@ -162,15 +163,14 @@ class TaskLoop:
             if ended is not None:
                 return self._write(rec, ended)
             request = request_id(rec.id, rec.run, cp)
+            started = begin(cp, spec, request, now)
             try:
-                self._charge(rec, "model" if cp.step == 0 else "tool", request)
+                self._begin(rec, started, request)
             except TaskRefused:
                 return "lost"
             except CallRefused as exc:
                 return self._write(rec, refused(cp, spec, exc.who, exc.detail))
-            cp = begin(cp, spec, request, now)
-            if self._write(rec, Next(cp)) != RUNNING:
-                return "lost"
+            cp = started
             step_deadline = min(deadline - now, self._step_deadline(spec))
             outcome = self.runner(self._request(rec, cp, step_deadline))
             nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline)
@@ -180,19 +180,23 @@ class TaskLoop:
             cp = nxt.checkpoint
 
     # --- helpers -----------------------------------------------------------------------
-    def _charge(self, rec: TaskRecord, kind: str, request_id: str) -> None:
+    def _begin(self, rec: TaskRecord, started: Checkpoint, request: str) -> None:
+        """Charge the step in flight in ``started`` to the task (and save it as in flight),
+        then to the shared envelope; raises CallRefused, or TaskRefused if the claim is lost.
+        """
         spec = rec.spec
+        kind = "model" if started.step == 0 else "tool"
         try:
-            self.store.charge(rec.id, self.token, request_id, spec.max_calls)
+            self.store.begin(rec, self.token, started, spec.max_calls)
         except TaskRefused as exc:
             if exc.reason != "ceiling":
                 raise
             detail = f"task max_calls ({spec.max_calls}) reached; refused {kind} call"
             raise CallRefused("task", detail) from None
         try:
-            self.consume(spec.envelope, kind, request_id)
+            self.consume(spec.envelope, kind, request)
         except CallRefused:
-            self.store.uncharge(rec.id, self.token, request_id)
+            self.store.uncharge(rec.id, self.token, request)
             raise
 
     def _step_deadline(self, spec: TaskSpec) -> float:

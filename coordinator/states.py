@@ -44,14 +44,15 @@ LIVE: frozenset[State] = frozenset({QUEUED, RUNNING, PAUSED})
 SETTLED: frozenset[State] = TERMINAL | {PAUSED}
 
 # The task scripts that change a state, one operation each.
-Op = Literal["create", "claim", "save", "orphan", "resume", "abort"]
+Op = Literal["create", "claim", "begin", "save", "orphan", "resume", "abort"]
 
 # Every legal state change: operation -> target -> the states it may come from.
-# ``save`` to RUNNING is a checkpoint (the state stays); a record that does not exist yet may
-# always be created.
+# ``begin`` and ``save`` to RUNNING are checkpoints (the state stays); a record that does
+# not exist yet may always be created.
 TRANSITIONS: dict[Op, dict[State, frozenset[State]]] = {
     "create": {QUEUED: TERMINAL},
     "claim": {RUNNING: frozenset({QUEUED})},
+    "begin": {RUNNING: frozenset({RUNNING})},
     "save": {
         RUNNING: frozenset({RUNNING}),
         PAUSED: frozenset({RUNNING}),

@@ -125,7 +125,7 @@ _SCRIPTS = (
     "claim",
     "renew",
     "save",
-    "charge",
+    "begin",
     "uncharge",
     "orphan",
     "resume",
@@ -286,14 +286,20 @@ class TaskStore:
         )
         _checked(rec.id, result)
 
-    def charge(self, task_id: str, token: str, request_id: str, max_calls: int) -> int:
-        """Charge one call to the task's own ceiling, once per ``request_id``; returns
-        ``calls_used``. Raises :class:`TaskRefused`: ceiling or lost."""
-        keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
+    def begin(self, rec: TaskRecord, token: str, checkpoint: Checkpoint, max_calls: int) -> int:
+        """Begin the step in flight in ``checkpoint``: charge its call to the task's own
+        ceiling (once per request id) and save the checkpoint, in one write; returns
+        ``calls_used``. Raises :class:`TaskRefused`: lost, state or ceiling."""
+        flight = checkpoint.in_flight
+        if flight is None:
+            raise ValueError(f"task {rec.id!r}: begin needs a step in flight")
+        keys = [self.keys.task(rec.id), self.keys.task_claim(rec.id)]
         result = self._run(
-            "charge", [*keys, self.keys.task_charged(task_id)], [token, request_id, max_calls]
+            "begin",
+            [*keys, self.keys.task_charged(rec.id)],
+            [token, flight.request_id, max_calls, checkpoint.model_dump_json()],
         )
-        return int(_checked(task_id, result)[1])
+        return int(_checked(rec.id, result)[1])
 
     def uncharge(self, task_id: str, token: str, request_id: str) -> int:
         """Give back the call charged for ``request_id``; returns ``calls_used``. Raises

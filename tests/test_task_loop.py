@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -164,3 +165,30 @@ def test_task_times_are_redis_server_time(
     assert all(s is not None and server - 60 < s <= server for s in stamps), (server, stamps)
     assert rec.ended_unix is not None and rec.started_unix is not None
     assert rec.ended_unix >= rec.started_unix >= rec.submitted_unix
+
+
+class CountingStore(TaskStore):
+    """A store that records which of its writes the loop called, in order."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        super().__init__(client, keys)
+        self.calls: list[str] = []
+
+    def begin(self, *args: Any, **kw: Any) -> int:
+        self.calls.append("begin")
+        return super().begin(*args, **kw)
+
+    def save(self, *args: Any, **kw: Any) -> None:
+        self.calls.append("save")
+        super().save(*args, **kw)
+
+
+def test_one_write_to_begin_a_step_and_one_to_end_it(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    store = CountingStore(r, Keys(namespace))
+    task = spec(tmp_path, agent=["touch", "ok.txt"])
+    [rec] = store.create([task], queue="q")
+    loop = TaskLoop(store, plain_runner, Budget(10), LoopConfig(prompt_dir=tmp_path))
+    assert loop.run(rec.id, rec.attempt, Runner()) == "finished_verified"
+    assert store.calls == ["begin", "save", "begin", "save"]  # the agent, then one rule

@@ -25,6 +25,7 @@ from overnight.coordinator.states import (
 from overnight.coordinator.taskfile import Rule, TaskSpec
 from overnight.coordinator.taskstore import (
     Checkpoint,
+    InFlight,
     Next,
     Runner,
     TaskIdTaken,
@@ -137,6 +138,9 @@ def _write(store: TaskStore, op: str, task_id: str, target: State) -> Callable[[
     cp = Checkpoint()
     if op == "claim":
         return lambda: store.claim(task_id, 1, "other", 5.0, Runner())
+    if op == "begin":
+        flight = InFlight(turn=1, step=0, name="agent", request_id="b", started_unix=1.0)
+        return lambda: store.begin(rec, TOKEN, Checkpoint(in_flight=flight), 5)
     if op == "save":
         return lambda: store.save(rec, TOKEN, Next(cp, target, "d"))
     if op == "orphan":
@@ -148,6 +152,7 @@ def _write(store: TaskStore, op: str, task_id: str, target: State) -> Callable[[
 
 TARGETS: dict[str, list[State]] = {
     "claim": [State.RUNNING],
+    "begin": [State.RUNNING],
     "save": list(State),
     "orphan": list(State),
     "resume": [State.QUEUED],
@@ -165,7 +170,7 @@ def test_each_script_writes_exactly_what_the_table_allows(
         for target in TARGETS[op]:
             # The save script's holder keeps its claim whatever the state, so the refusals
             # seen are the table's, not a lost claim's.
-            _put(client, store, rec.id, source, claimed=op == "save")
+            _put(client, store, rec.id, source, claimed=op in ("begin", "save"))
             wrote = _try(_write(store, op, rec.id, target))
             assert wrote is legal(op, source, target), (source, target)  # type: ignore[arg-type]
             assert _state(client, store, rec.id) == (target if wrote else source)
@@ -194,6 +199,10 @@ def test_refusals_are_one_exception_with_a_reason(
     store = TaskStore(client, Keys(namespace))
     [rec] = store.create([_spec(tmp_path)], "q")
 
+    def flying(request: str) -> Checkpoint:
+        flight = InFlight(turn=1, step=0, name="agent", request_id=request, started_unix=1.0)
+        return Checkpoint(in_flight=flight)
+
     def why(call: Callable[[], object]) -> str:
         with pytest.raises(TaskRefused) as info:
             call()
@@ -205,9 +214,11 @@ def test_refusals_are_one_exception_with_a_reason(
     assert why(lambda: store.renew(rec.id, TOKEN, 5.0)) == "lost"
     store.claim(rec.id, 1, TOKEN, 5.0, Runner(pid=4242))
     assert why(lambda: store.claim(rec.id, 1, TOKEN, 5.0, Runner())) == "state:running"
-    assert why(lambda: store.charge(rec.id, "other", "r0", 3)) == "lost"
-    assert [store.charge(rec.id, TOKEN, f"r{i}", 2) for i in (0, 0, 1)] == [1, 1, 2]
-    assert why(lambda: store.charge(rec.id, TOKEN, "r2", 2)) == "ceiling"
+    assert why(lambda: store.begin(rec, "other", flying("r0"), 3)) == "lost"
+    assert [store.begin(rec, TOKEN, flying(f"r{i}"), 2) for i in (0, 0, 1)] == [1, 1, 2]
+    assert why(lambda: store.begin(rec, TOKEN, flying("r2"), 2)) == "ceiling"
+    in_flight = store.get(rec.id)
+    assert in_flight is not None and in_flight.checkpoint == flying("r1"), "refusal wrote"
     assert store.uncharge(rec.id, TOKEN, "r1") == 1
     assert why(lambda: store.uncharge(rec.id, "other", "r0")) == "lost"
     cp = Checkpoint()
