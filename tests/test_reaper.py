@@ -116,7 +116,8 @@ def test_orphaned_tree_with_a_setsid_grandchild_is_killed_and_reaped(
         supervisor_pid=2**22 + 7,  # a supervisor that is gone
     )
     grandchild, background = read_pids(pids)
-    assert os.getsid(grandchild) != os.getsid(child.pid)
+    # `setsid` forks before it calls setsid(2): wait until it has.
+    wait_for(lambda: os.getsid(grandchild) != os.getsid(child.pid), timeout=5)
     lapse(leases, doc)
     report = reap_once(r, keys, grace=1.0)
     assert report.ended == 1 and report.survivors == 0
@@ -360,7 +361,7 @@ def test_sigkilled_supervisor_leaves_nothing_behind(
     )  # fmt: skip
     try:
         grandchild, child = read_pids(pids)
-        assert os.getsid(grandchild) != os.getsid(child)
+        wait_for(lambda: os.getsid(grandchild) != os.getsid(child), timeout=5)  # setsid ran
         assert lease_tag(grandchild) == lease_id
         time.sleep(0.5)  # several beats land
         assert leases.is_alive(lease_id) and pid_alive(child)
