@@ -132,8 +132,15 @@ def env_value(pid: int, var: str) -> str | None:
 
 
 def is_tagged(pid: int, lease_id: str, var: str = TAG_VAR) -> bool:
-    """True if ``pid``'s environment holds ``var=lease_id`` (the lease tag by default)."""
-    return env_value(pid, var) == lease_id
+    """True if ``pid``'s environment holds ``var=lease_id`` (the lease tag by default), in
+    any of its entries (an environment may name a variable twice)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read()
+    except OSError:
+        return False
+    needle = f"{var}={lease_id}\0".encode()
+    return env.startswith(needle) or (b"\0" + needle) in env
 
 
 def lease_tag(pid: int) -> str | None:
@@ -149,7 +156,7 @@ def tagged(var: str, value: str, table: dict[int, Proc] | None = None) -> dict[i
     return {
         pid: p
         for pid, p in table.items()
-        if pid != me and not p.dead and env_value(pid, var) == value
+        if pid != me and not p.dead and is_tagged(pid, value, var)
     }
 
 
