@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from overnight.config.spawn import python_module
 from overnight.coordinator import model_step
 from overnight.coordinator.judge import begin, expired, judge, lost_step, refused, request_id
@@ -101,7 +103,7 @@ class ClaimKeeper(threading.Thread):
             except TaskRefused:
                 self.lost.set()
                 return
-            except Exception as exc:  # Redis away: the claim lapses on the server too
+            except redis.RedisError as exc:  # Redis away: the claim lapses on the server too
                 if time.monotonic() - last_ok > self.ttl:
                     log.warning("task %s: claim lost: %s", self.task_id, exc)
                     self.lost.set()
