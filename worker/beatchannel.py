@@ -221,7 +221,7 @@ class Channel:
         """Stop taking beats (a late client sees the lease as over) and remove the folder."""
         _running_roots.discard(self.root)
         for fd in list(getattr(self, "conns", {})):
-            self._close_conn(fd, b"refused lease-ending")
+            self._close_conn(fd, b"refused not-running: the lease is ending")
         if self.poller is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.poller.unregister(self.sock.fileno())
