@@ -113,6 +113,21 @@ class ClaimKeeper(threading.Thread):
         self._stop.set()
 
 
+class ServerClock:
+    """Redis server time without a round trip of its own: the server time the last write
+    replied with, plus the monotonic time since. Task deadlines run on it, as lease
+    deadlines run on the server's clock; no worker's wall clock decides one."""
+
+    def __init__(self, server_now: float) -> None:
+        self.set(server_now)
+
+    def set(self, server_now: float) -> None:
+        self._at, self._mono = server_now, time.monotonic()
+
+    def __call__(self) -> float:
+        return self._at + (time.monotonic() - self._mono)
+
+
 class TaskLoop:
     """Runs one attempt of one task to a terminal state, a pause, or the loss of its claim."""
 
@@ -122,13 +137,9 @@ class TaskLoop:
         runner: StepRunner,
         consume: Consume,
         config: LoopConfig,
-        *,
-        clock: Callable[[], float] | None = None,
     ) -> None:
         self.store, self.runner, self.consume, self.config = store, runner, consume, config
-        # Task times are Redis server time, like lease times: no worker's wall clock decides
-        # a deadline. ``clock`` is for tests.
-        self.clock = clock or store.now
+        self.clock = ServerClock(0.0)
         self.token = uuid.uuid4().hex
         self.keeper: ClaimKeeper | None = None
 
@@ -151,6 +162,8 @@ class TaskLoop:
         """Each step: one write to begin it (its charge and its in-flight mark), the run,
         and one write of what the judge makes of its outcome."""
         spec, cp = rec.spec, rec.checkpoint
+        # The claim just wrote updated_unix (and started_unix on a first run) in server time.
+        self.clock = ServerClock(rec.updated_unix or self.store.now())
         if cp.in_flight is not None:
             lost = lost_step(cp, spec.on_unknown, self.config.max_lost_leases)
             if lost.state == PAUSED:
@@ -167,7 +180,7 @@ class TaskLoop:
             request = request_id(rec.id, rec.run, cp)
             started = begin(cp, spec, request, now)
             try:
-                self._begin(rec, started, request)
+                self.clock.set(self._begin(rec, started, request))
             except TaskRefused:
                 return "lost"
             except CallRefused as exc:
@@ -182,14 +195,14 @@ class TaskLoop:
             cp = nxt.checkpoint
 
     # --- helpers -----------------------------------------------------------------------
-    def _begin(self, rec: TaskRecord, started: Checkpoint, request: str) -> None:
+    def _begin(self, rec: TaskRecord, started: Checkpoint, request: str) -> float:
         """Charge the step in flight in ``started`` to the task (and save it as in flight),
-        then to the shared envelope; raises CallRefused, or TaskRefused if the claim is lost.
-        """
+        then to the shared envelope; returns the server time of the write. Raises
+        CallRefused, or TaskRefused if the claim is lost."""
         spec = rec.spec
         kind = "model" if started.step == 0 else "tool"
         try:
-            self.store.begin(rec, self.token, started, spec.max_calls)
+            begun = self.store.begin(rec, self.token, started, spec.max_calls)
         except TaskRefused as exc:
             if exc.reason != "ceiling":
                 raise
@@ -200,6 +213,7 @@ class TaskLoop:
         except CallRefused:
             self.store.uncharge(rec.id, self.token, request)
             raise
+        return begun.now
 
     def _step_deadline(self, spec: TaskSpec) -> float:
         return spec.step_deadline(self.config.default_deadline)
@@ -247,7 +261,7 @@ class TaskLoop:
     def _write(self, rec: TaskRecord, nxt: Next) -> str:
         """Write ``nxt``; returns the state the task is now in, or ``lost``."""
         try:
-            self.store.save(rec, self.token, nxt)
+            self.clock.set(self.store.save(rec, self.token, nxt))
         except TaskRefused as exc:
             log.warning("task %s: write as %s refused (%s); stopping", rec.id, nxt.state, exc.why)
             return "lost"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from functools import cache
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 from overnight.config.keys import Keys
 from overnight.coordinator.states import LIVE, QUEUED, RUNNING, Op, State, lua_prelude
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgentResult",
+    "Begun",
     "Checkpoint",
     "InFlight",
     "Memory",
@@ -71,6 +72,13 @@ Reason = Literal[
     "taken",
     "not-runner",
 ]
+
+
+class Begun(NamedTuple):
+    """A begun step: the task's calls used so far, and the Redis server time of the write."""
+
+    calls_used: int
+    now: float
 
 
 class TaskRefused(Exception):
@@ -252,9 +260,10 @@ class TaskStore:
         result = self._run("renew", [self.keys.task_claim(task_id)], [token, int(ttl * 1000)])
         _checked(task_id, result)
 
-    def save(self, rec: TaskRecord, token: str, nxt: Next) -> None:
+    def save(self, rec: TaskRecord, token: str, nxt: Next) -> float:
         """Write ``nxt`` for the task held under ``token``: the checkpoint, the state and the
         receipts, and a ``task_state`` receipt when the state changes; one script call.
+        Returns the Redis server time it wrote.
 
         Raises :class:`TaskRefused`: illegal, lost or state.
         """
@@ -284,12 +293,12 @@ class TaskStore:
             [self.keys.task(rec.id), self.keys.task_claim(rec.id), self.keys.receipts],
             args,
         )
-        _checked(rec.id, result)
+        return float(_checked(rec.id, result)[1])
 
-    def begin(self, rec: TaskRecord, token: str, checkpoint: Checkpoint, max_calls: int) -> int:
+    def begin(self, rec: TaskRecord, token: str, checkpoint: Checkpoint, max_calls: int) -> Begun:
         """Begin the step in flight in ``checkpoint``: charge its call to the task's own
-        ceiling (once per request id) and save the checkpoint, in one write; returns
-        ``calls_used``. Raises :class:`TaskRefused`: lost, state or ceiling."""
+        ceiling (once per request id) and save the checkpoint, in one write. Raises
+        :class:`TaskRefused`: lost, state or ceiling."""
         flight = checkpoint.in_flight
         if flight is None:
             raise ValueError(f"task {rec.id!r}: begin needs a step in flight")
@@ -299,7 +308,8 @@ class TaskStore:
             [*keys, self.keys.task_charged(rec.id)],
             [token, flight.request_id, max_calls, checkpoint.model_dump_json()],
         )
-        return int(_checked(rec.id, result)[1])
+        reply = _checked(rec.id, result)
+        return Begun(int(reply[1]), float(reply[2]))
 
     def uncharge(self, task_id: str, token: str, request_id: str) -> int:
         """Give back the call charged for ``request_id``; returns ``calls_used``. Raises

@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.loop import CallRefused, LoopConfig, TaskLoop, build_prompt
+from overnight.coordinator.loop import CallRefused, LoopConfig, ServerClock, TaskLoop, build_prompt
 from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import Memory, Runner, TaskStore
+from overnight.coordinator.taskstore import Begun, Memory, Runner, TaskStore
 from overnight.worker import receipts
 
 PY = sys.executable
@@ -174,13 +174,13 @@ class CountingStore(TaskStore):
         super().__init__(client, keys)
         self.calls: list[str] = []
 
-    def begin(self, *args: Any, **kw: Any) -> int:
+    def begin(self, *args: Any, **kw: Any) -> Begun:
         self.calls.append("begin")
         return super().begin(*args, **kw)
 
-    def save(self, *args: Any, **kw: Any) -> None:
+    def save(self, *args: Any, **kw: Any) -> float:
         self.calls.append("save")
-        super().save(*args, **kw)
+        return super().save(*args, **kw)
 
 
 def test_one_write_to_begin_a_step_and_one_to_end_it(
@@ -192,3 +192,11 @@ def test_one_write_to_begin_a_step_and_one_to_end_it(
     loop = TaskLoop(store, plain_runner, Budget(10), LoopConfig(prompt_dir=tmp_path))
     assert loop.run(rec.id, rec.attempt, Runner()) == "finished_verified"
     assert store.calls == ["begin", "save", "begin", "save"]  # the agent, then one rule
+
+
+def test_server_clock_runs_from_the_last_reply() -> None:
+    clock = ServerClock(1_000.0)
+    first = clock()
+    assert first >= 1_000.0 and clock() >= first
+    clock.set(5.0)
+    assert 5.0 <= clock() < first

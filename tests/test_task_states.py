@@ -215,7 +215,9 @@ def test_refusals_are_one_exception_with_a_reason(
     store.claim(rec.id, 1, TOKEN, 5.0, Runner(pid=4242))
     assert why(lambda: store.claim(rec.id, 1, TOKEN, 5.0, Runner())) == "state:running"
     assert why(lambda: store.begin(rec, "other", flying("r0"), 3)) == "lost"
-    assert [store.begin(rec, TOKEN, flying(f"r{i}"), 2) for i in (0, 0, 1)] == [1, 1, 2]
+    begun = [store.begin(rec, TOKEN, flying(f"r{i}"), 2) for i in (0, 0, 1)]
+    assert [b.calls_used for b in begun] == [1, 1, 2]
+    assert begun[0].now <= begun[1].now <= begun[2].now
     assert why(lambda: store.begin(rec, TOKEN, flying("r2"), 2)) == "ceiling"
     in_flight = store.get(rec.id)
     assert in_flight is not None and in_flight.checkpoint == flying("r1"), "refusal wrote"

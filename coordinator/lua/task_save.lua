@@ -4,7 +4,8 @@
 -- ARGV[1] claim token   ARGV[2] checkpoint JSON   ARGV[3] target state ('running' = it goes on)
 -- ARGV[4] detail   ARGV[5] receipt stream maxlen
 -- ARGV[6..] receipts to append, as kind, body pairs
--- Returns {1} or {0, reason}: illegal:<target> | lost (claim gone or not ours) | state:<state>.
+-- Returns {1, now} (Redis server time, as written) or {0, reason}: illegal:<target> |
+-- lost (claim gone or not ours) | state:<state>.
 -- Any change of state releases the claim; a terminal one also sets ended_unix (server time).
 local from = LEGAL[ARGV[3]]
 if not from then return {0, 'illegal:' .. ARGV[3]} end
@@ -22,4 +23,4 @@ if TERMINAL[ARGV[3]] then redis.call('HSET', KEYS[1], 'ended_unix', now) end
 for i = 6, #ARGV, 2 do
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'kind', ARGV[i], 'data', ARGV[i + 1])
 end
-return {1}
+return {1, now}
