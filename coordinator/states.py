@@ -43,7 +43,7 @@ LIVE: frozenset[State] = frozenset({QUEUED, RUNNING, PAUSED})
 # Nothing more happens without a person: what `--wait`, `up` and the coordinator wait for.
 SETTLED: frozenset[State] = TERMINAL | {PAUSED}
 
-# The task scripts that change a state, one operation each.
+# The task scripts that write a task's state (or its checkpoint), one operation each.
 Op = Literal["create", "claim", "begin", "save", "orphan", "resume", "abort"]
 
 # Every legal state change: operation -> target -> the states it may come from.
