@@ -1,9 +1,12 @@
 """The beat channel: how a supervised step beats its own lease without any Redis credential.
 
 Design. The supervisor owns one Unix ``SOCK_SEQPACKET`` socket per lease, bound in a fresh
-folder it creates (``overnight-beat-XXXX`` under ``$XDG_RUNTIME_DIR`` or the temp folder)
-and removes when the step ends; the child gets its path as ``OVERNIGHT_BEAT_SOCKET``. The
-listening socket sits in the supervisor's ``select.poll`` loop next to the output pipes.
+folder it creates (``overnight-beat-LEASE-XXXX`` under ``$XDG_RUNTIME_DIR`` or the temp
+folder) and removes when the step ends (a supervisor killed outright leaves it behind, like
+the step's scratch ``HOME``: both carry the lease id in their names). The child gets its
+path as ``OVERNIGHT_BEAT_SOCKET``; the listening socket sits in the supervisor's
+``select.poll`` loop next to the output pipes. Seqpacket keeps message boundaries and, unlike
+a datagram socket, gives every connection its peer's credentials.
 
 One connection carries one request and one reply. A request is a JSON object
 ``{"lease_id": ID, "note": TEXT or null}`` (at most :data:`MAX_MESSAGE` bytes); the reply is
@@ -122,7 +125,7 @@ class Channel:
 
     def __init__(self, lease_id: str) -> None:
         self.lease_id = lease_id
-        self.folder = tempfile.mkdtemp(prefix="overnight-beat-", dir=_short_base())
+        self.folder = tempfile.mkdtemp(prefix=f"overnight-beat-{lease_id[:16]}-", dir=_short_base())
         self.path = os.path.join(self.folder, "s")
         if len(self.path.encode()) > _SUN_PATH_MAX:
             raise OSError(f"beat socket path too long: {self.path}")
