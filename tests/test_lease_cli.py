@@ -197,3 +197,20 @@ def test_fast_path_and_settings_agree(gap: str, ns: str, url: str) -> None:
     assert fast is not None
     assert (s.redis_url, s.namespace, s.heartbeat_gap) == (
         fast.redis_url, fast.namespace, fast.heartbeat_gap)  # fmt: skip
+
+
+def test_the_hot_paths_import_neither_pydantic_nor_redis() -> None:
+    """supervise's settings and beat's client: the rules are plain functions (config.validate)."""
+    script = (
+        "import sys\n"
+        "from overnight.worker.cli_lease import quick_settings\n"
+        "from overnight.worker.beatchannel import NoChannel, send_beat\n"
+        "s = quick_settings({'OVERNIGHT_HEARTBEAT_GAP': '2', 'OVERNIGHT_NAMESPACE': 'ns'})\n"
+        "assert (s.heartbeat_gap, s.namespace) == (2.0, 'ns'), s\n"
+        "try:\n    send_beat(environ={})\nexcept NoChannel:\n    pass\n"
+        "print(sorted(m for m in ('pydantic', 'redis') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                          timeout=30, cwd="/")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
