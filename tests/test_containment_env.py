@@ -311,3 +311,17 @@ def test_hostile_step_as_a_task_agent(env: dict[str, str], tmp_path: Path) -> No
     assert out["env"]["TASK_VAR"] == "declared" and out["env"]["OVERNIGHT_TASK_ID"] == "hostile"
     assert "OVERNIGHT_PROMPT_FILE" in out["env"]
     check_hostile(out, env["OVERNIGHT_REDIS_URL"], 2)
+
+
+def test_a_scratch_home_with_read_only_folders_is_removed() -> None:
+    from overnight.worker.stepenv import make_home, remove_home
+
+    home = Path(make_home("lease-ro"))
+    assert oct(home.stat().st_mode & 0o777) == "0o700" and (home / "tmp").is_dir()
+    cache = home / "go" / "pkg" / "mod" / "x@v1"
+    cache.mkdir(parents=True)
+    (cache / "f.go").write_text("package x\n")
+    for path in (cache / "f.go", cache, cache.parent, cache.parent.parent):
+        path.chmod(0o444 if path.is_file() else 0o555)
+    remove_home(str(home))
+    assert not home.exists()
