@@ -180,6 +180,7 @@ class _Run:
                 raise
             finally:
                 proof.remove(self.keys.namespace, self.lease_id)
+                self._close_step_env()
 
     def _start_and_wait(self) -> Outcome:
         early = self._pending_signal()
@@ -299,9 +300,9 @@ class _Run:
             returncode = child.reap()
             child.pipes.drain(0.5)
             child.close()
-        self._close_step_env()
         ended_here, ended, doc = self.keeper.end(ended)
         self._mirror(doc)
+        self._close_step_env()  # after the end is written: a big scratch HOME takes a while
         log.info("lease=%s host=%s task=%s: ended %s/%s, exit %d", self.lease_id, self.host,
                  self.spec.task_id, doc.status, doc.note, ended.exit_code)  # fmt: skip
         return SupervisedResult(
@@ -324,7 +325,6 @@ class _Run:
             if self.child is not None:
                 self.child.reap()
                 self.child.close()
-            self._close_step_env()
             self.leases.end(self.lease_id, self.keeper.token, "killed", ended.note, exit_code=1)
 
     def _mirror(self, doc: LeaseDoc) -> None:
