@@ -144,6 +144,29 @@ def whole(minimum: int) -> Callable[[object], int]:
     return rule
 
 
+USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def user_name(value: object) -> str | None:
+    """A user name as ``useradd`` accepts it (unset or empty: None)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not USER_RE.match(value):
+        raise ValueError("must be a user name (letters, digits, '_', '.', '-')")
+    return value
+
+
+def flag(value: object) -> bool:
+    """A yes/no switch: 1/true/yes/on or 0/false/no/off."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError("must be 1, true, yes, on, 0, false, no or off")
+
+
 def optional(rule: Callable[[object], object]) -> Callable[[object], object]:
     """``rule``, with None (unset) allowed."""
 
@@ -172,6 +195,8 @@ RULES: dict[str, Callable[[object], object]] = {
     "max_lost_leases": whole(1),
     "task_claim_ttl": positive,
     "recovery_interval": positive,
+    "step_user": user_name,
+    "allow_root_steps": flag,
 }
 
 
@@ -184,6 +209,8 @@ class QuickSettings:
     heartbeat_gap: float = 30.0
     deadline: float = 180.0
     grace: float = 5.0
+    step_user: str | None = None
+    allow_root_steps: bool = False
 
 
 def read_fast(environ: Mapping[str, str], dotenv: bool | None = None) -> QuickSettings | None:

@@ -154,7 +154,9 @@ def worker_command(
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
     from overnight.coordinator.dispatch import OvernightWorker
+    from overnight.worker.stepuser import configured
 
+    configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
     names = [q for item in queues for q in item.split(",") if q] or [settings().queue]
     for q in names:
         if not NAME_RE.match(q):

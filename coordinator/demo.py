@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from overnight.config.exits import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CommandError
 from overnight.coordinator.states import State
 from overnight.coordinator.up import UpOptions, run_up
+from overnight.worker.stepuser import STEP_USER, StepUser, decide, reach_problem
 
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 # What each example task is built to show; the demo checks that it did.
@@ -19,6 +22,8 @@ EXPECTED = {
     "hangs-once": State.FINISHED_VERIFIED,
     "never-done": State.HALTED_AT_CALL_CEILING,
 }
+# Who the example steps run as when overnight runs as root and no step user is set.
+DEMO_USER = "nobody"
 # Enough for the first three tasks (2 + 4 + 4 calls at most); the fourth drains the rest.
 DEMO_BUDGET = 16
 
@@ -31,17 +36,18 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
             f"no example tasks at {examples}: this installation is incomplete", EXIT_USAGE
         )
     run_dir = state_root / "demo" / time.strftime("%Y%m%d-%H%M%S")
-    shutil.copytree(examples, run_dir / "tasks")
-    print(f"overnight demo: tasks copied to {run_dir / 'tasks'}; budget {DEMO_BUDGET} calls",
+    env, user = _step_user()
+    tasks = _copy_tasks(examples, run_dir / "tasks", user)
+    print(f"overnight demo: tasks copied to {tasks}; budget {DEMO_BUDGET} calls",
           file=sys.stderr)  # fmt: skip
     opts = UpOptions(
         workers=workers,
-        tasks=[run_dir / "tasks"],
+        tasks=[tasks],
         budget=DEMO_BUDGET,
         exit_when_done=True,
         state_dir=run_dir / "state",
         embedded=True,
-        env={"OVERNIGHT_NAMESPACE": "demo"},
+        env={"OVERNIGHT_NAMESPACE": "demo", **env},
     )
     result = run_up(opts)
     if result.code != EXIT_OK:
@@ -53,3 +59,35 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
         if got != want:
             wrong.append(task_id)
     return EXIT_OK if not wrong else EXIT_INTERNAL
+
+
+def _step_user() -> tuple[dict[str, str], StepUser | None]:
+    """Who the demo's steps run as: the settings' step user; as root without one (and
+    without the root opt-in), ``nobody``, said in one line, so a fresh machine runs it."""
+    from overnight.config.settings import load_settings
+
+    settings = load_settings()
+    euid = os.geteuid()
+    if euid != 0 or settings.step_user or settings.allow_root_steps:
+        return {}, decide(settings.step_user, settings.allow_root_steps, euid)
+    user = decide(DEMO_USER, False, euid)
+    print(f"overnight demo: running as root and {STEP_USER} is unset: the example steps run "
+          f"as {DEMO_USER!r}", file=sys.stderr)  # fmt: skip
+    return {STEP_USER: DEMO_USER}, user
+
+
+def _copy_tasks(examples: Path, dest: Path, user: StepUser | None) -> Path:
+    """Copy the examples to ``dest``, the step user's own; where it cannot reach ``dest``
+    (a private state folder), to a fresh folder in the temp folder instead."""
+    existing = dest
+    while not existing.exists():
+        existing = existing.parent
+    if user is not None and reach_problem(existing / "x", user) is not None:
+        dest = Path(tempfile.mkdtemp(prefix="overnight-demo-")) / "tasks"
+        dest.parent.chmod(0o755)
+    shutil.copytree(examples, dest)
+    if user is not None:
+        for folder, dirs, files in os.walk(dest):
+            for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+                os.chown(name, user.uid, user.gid)
+    return dest

@@ -28,6 +28,8 @@ from overnight.coordinator.steps import StepRequest, StepRunner
 from overnight.coordinator.taskfile import TaskSpec
 from overnight.coordinator.taskrecord import Checkpoint, Memory, Next, Runner, TaskRecord
 from overnight.coordinator.taskstore import TaskRefused, TaskStore
+from overnight.worker import stepuser
+from overnight.worker.stepuser import StepUser
 
 log = logging.getLogger("overnight.loop")
 
@@ -58,6 +60,8 @@ class LoopConfig:
     claim_ttl: float = 15.0
     max_lost_leases: int = 3
     prompt_dir: Path = Path("/tmp/overnight")
+    # Who steps run as (owns the task's prompt folder): by default as the settings say.
+    step_user: StepUser | None = field(default_factory=stepuser.configured)
     # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
     model_env: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -236,9 +240,9 @@ class TaskLoop:
                 beat_while_alive=True,
             )
         prompt = build_prompt(spec, cp.memory)
-        prompt_file = self.config.prompt_dir / f"{rec.id}.prompt.txt"
-        prompt_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        prompt_file.write_text(prompt, encoding="utf-8")
+        # A folder of this task's own, which only the step user can enter (issue 14 §10).
+        folder = stepuser.task_folder(self.config.prompt_dir, rec.id, self.config.step_user)
+        prompt_file = stepuser.write_file(folder / "prompt.txt", prompt)
         short = _clip(prompt)
         argv = [a.replace("{prompt}", short) for a in spec.agent] if spec.agent else MODEL_STEP
         env = {**base, "OVERNIGHT_PROMPT": short, "OVERNIGHT_PROMPT_FILE": str(prompt_file)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -54,8 +55,12 @@ class Stack:
         self.env = {**self.env, UP_TAG: self.up_id}
 
     def start_redis(self) -> str:
-        """Start a private redis-server under ``state_dir/redis``; returns its URL."""
-        self.redis = EmbeddedRedis(self.state_dir / "redis", appendonly=True)
+        """Start a private redis-server under ``state_dir/redis`` that requires a random
+        password (a step on this host can reach its port, never the password); returns its
+        URL, password included (a secret: print it masked)."""
+        self.redis = EmbeddedRedis(
+            self.state_dir / "redis", appendonly=True, password=secrets.token_hex(24)
+        )
         self.redis.start()
         self.env["OVERNIGHT_REDIS_URL"] = self.redis.url
         return self.redis.url

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from overnight.worker.signals import SignalCatcher
 from overnight.worker.stepenv import step_environment
+from overnight.worker.stepuser import StepUser, configured
 from overnight.worker.supervisor import StepSpec, run_supervised
 
 if TYPE_CHECKING:
@@ -90,8 +91,11 @@ class OutputCapture:
 StepRunner = Callable[[StepRequest], StepOutcome]
 
 
-def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
-    """Run each step under a lease, in this process (``worker.supervisor``)."""
+def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = None) -> StepRunner:
+    """Run each step under a lease, in this process (``worker.supervisor``), as ``user``
+    (default: the step user the settings name, :func:`worker.stepuser.configured`; agent
+    steps and verifier rules alike)."""
+    as_user = user if user is not None else configured()
 
     def run(req: StepRequest) -> StepOutcome:
         capture = OutputCapture()
@@ -108,6 +112,7 @@ def supervised_runner(client: redis.Redis, keys: Keys) -> StepRunner:
             lease_file=None,
             task_id=req.task_id,
             stdin_data=req.stdin_data,
+            user=as_user,
         )
         with alarm_ends_step() as alarm:
             result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)

@@ -165,12 +165,14 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     """Run the stack until Ctrl-C/SIGTERM (or, with ``exit_when_done``, until every task of
     this run has ended or paused). Nothing it started outlives it."""
     from overnight.config.connection import connect
-    from overnight.config.settings import load_settings
+    from overnight.config.settings import load_settings, mask_url
+    from overnight.worker.stepuser import decide
 
     stopper = StopRequested()
     stopper.install()
     os.environ.update(opts.env)
     settings = load_settings()
+    decide(settings.step_user, settings.allow_root_steps, os.geteuid())  # exit 78 if it cannot be
     lock = _lock_state_dir(opts.state_dir)
     # Orphans of what the stack starts are re-parented here, so the final sweep reaps them.
     set_child_subreaper()
@@ -182,7 +184,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
             url = stack.start_redis()
             why = "as asked" if opts.embedded else f"nothing answered at {settings.redis_url}"
             print(
-                f"overnight: started a private redis-server at {url} ({why}); "
+                f"overnight: started a private redis-server at {mask_url(url)} ({why}); "
                 f"data and log in {opts.state_dir / 'redis'}",
                 file=sys.stderr,
             )

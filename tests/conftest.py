@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +18,13 @@ from overnight.coordinator.embedded_redis import (
     RedisBinaryMissing,
     find_redis_server,
 )
+from overnight.worker.stepuser import StepUser, lookup
+
+# Tests run steps as whoever runs pytest (root in CI) unless they ask for the step user
+# (the `step_user` fixture): pytest's own tmp folders are root's and 0700, which a step
+# user could not enter. The containment tests use the step user.
+ROOT_OPT_IN = {"OVERNIGHT_ALLOW_ROOT_STEPS": "1"} if os.geteuid() == 0 else {}
+STEP_USER = "overnight-step"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -23,15 +32,33 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         find_redis_server()
     except RedisBinaryMissing as exc:
         pytest.exit(str(exc), returncode=3)
+    os.environ.update(ROOT_OPT_IN)
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    """One private redis-server for the whole session; tests isolate by namespace."""
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    """One private redis-server for the whole session; tests isolate by namespace. It
+    requires a password (in its URL), as `overnight up`'s does: a step can reach its port
+    but must never get in."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), password=uuid.uuid4().hex)
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def step_user() -> StepUser:
+    """The unprivileged user steps run as (``overnight-step``, created once if missing, as
+    `.ci/run` and the Dockerfile do); skips the test unless pytest runs as root."""
+    if os.geteuid() != 0:
+        pytest.skip("running steps as another user needs root")
+    if lookup(STEP_USER) is None and shutil.which("useradd"):
+        add = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin"]
+        subprocess.run([*add, STEP_USER], check=False, capture_output=True)
+    found = lookup(STEP_USER) or lookup("nobody")
+    if found is None:
+        pytest.skip(f"no {STEP_USER} or nobody user on this host")
+    return found
 
 
 @pytest.fixture
@@ -77,7 +104,8 @@ def env(
 
     It is applied to this process too (for in-process settings) and returned for subprocesses.
     """
-    values = {"OVERNIGHT_REDIS_URL": redis_server.url, "OVERNIGHT_NAMESPACE": namespace}
+    values = {"OVERNIGHT_REDIS_URL": redis_server.url, "OVERNIGHT_NAMESPACE": namespace,
+              **ROOT_OPT_IN}  # fmt: skip
     for key in list(os.environ):
         if key.startswith("OVERNIGHT_") or key == "MODEL_URL":
             monkeypatch.delenv(key)

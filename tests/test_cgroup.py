@@ -116,7 +116,7 @@ def test_signal_all_reaches_every_member_first(group: cgroup.StepGroup, tmp_path
         [sys.executable, "-c", code], preexec_fn=group.enter, stdout=subprocess.PIPE
     ) as proc:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        assert group.signal_all(signal.SIGTERM) == 1
+        assert len(group.signal_all(signal.SIGTERM)) == 1
         assert proc.wait(timeout=10) == 0
     assert marker.read_text() == "x"
 

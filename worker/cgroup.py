@@ -20,9 +20,10 @@ import errno
 import logging
 import os
 import re
+import select
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -70,6 +71,7 @@ class EndReport:
     killed: int = 0  # members alive when the kill began
     survivors: tuple[int, ...] = ()  # members still there when we gave up
     seconds: float = 0.0
+    signalled: int = 0  # members that got the first signal (see StepGroup.end)
 
 
 class StepGroup:
@@ -101,11 +103,13 @@ class StepGroup:
             return False
         return "populated 1" in text
 
-    def signal_all(self, sig: int) -> int:
-        """Send ``sig`` to every member (through pidfds; a member is whoever is in the group
-        when the pidfd is checked); how many were signalled."""
-        sent = 0
+    def signal_all(self, sig: int, skip: set[int] | frozenset[int] = frozenset()) -> set[int]:
+        """Send ``sig`` to every member not in ``skip`` (through pidfds; a member is whoever
+        is in the group when the pidfd is checked); the pids signalled."""
+        sent: set[int] = set()
         for pid in self.pids():
+            if pid in skip:
+                continue
             try:
                 fd = os.pidfd_open(pid)
             except OSError:
@@ -113,7 +117,7 @@ class StepGroup:
             try:
                 if pid in self.pids():  # still ours once pinned by the pidfd
                     signal.pidfd_send_signal(fd, sig)
-                    sent += 1
+                    sent.add(pid)
                     if sig == signal.SIGTERM:
                         signal.pidfd_send_signal(fd, signal.SIGCONT)
             except OSError:
@@ -121,6 +125,37 @@ class StepGroup:
             finally:
                 os.close(fd)
         return sent
+
+    def end(
+        self,
+        grace: float,
+        *,
+        first_signal: int = signal.SIGTERM,
+        hurry: Callable[[], bool] | None = None,
+        wake_fds: Iterable[int] = (),
+        kill_timeout: float = 5.0,
+    ) -> EndReport:
+        """End the group: ``first_signal`` to every member (and to members that appear
+        meanwhile), up to ``grace`` seconds for them to go, then :meth:`kill`. ``hurry()``
+        returning True (checked whenever ``wake_fds`` wake us) skips the rest of the grace."""
+        started = time.monotonic()
+        if not self.populated():
+            return EndReport(seconds=time.monotonic() - started)
+        signalled: set[int] = set()
+        grace_end = started + grace
+        poller = select.poll()
+        for fd in wake_fds:
+            poller.register(fd, select.POLLIN)
+        while self.populated():
+            signalled |= self.signal_all(first_signal, skip=signalled)
+            now = time.monotonic()
+            if now >= grace_end or (hurry is not None and hurry()):
+                break
+            poller.poll(max(1, int(min(grace_end - now, 0.01) * 1000)))
+        report = self.kill(kill_timeout) if self.populated() else EndReport()
+        report.signalled = len(signalled)
+        report.seconds = time.monotonic() - started
+        return report
 
     def kill(self, timeout: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> EndReport:
         """SIGKILL every member and wait until the group is empty (at most ``timeout``)."""
@@ -140,18 +175,25 @@ class StepGroup:
         report.seconds = time.monotonic() - started
         return report
 
-    def remove(self) -> None:
-        """Close our handle and remove the (empty) directory; a group that still has members
-        is left for the reaper and logged."""
+    def remove_handle(self) -> None:
+        """Close our handle on the group, leaving the group as it is."""
         with contextlib.suppress(OSError):
             os.close(self._procs_fd)
         self._procs_fd = -1
+
+    def remove(self) -> None:
+        """Close our handle and remove the (empty) directory; a group that still has members
+        is left for the reaper and logged."""
+        self.remove_handle()
         try:
             self.path.rmdir()
         except FileNotFoundError:
             pass
         except OSError as exc:
             log.error("cgroup %s: cannot remove: %s", self.path, exc)
+            return
+        with contextlib.suppress(OSError):  # the namespace's folder, once its last lease went
+            self.path.parent.rmdir()
 
     def _freeze_and_kill(self) -> None:
         if not self._write("cgroup.freeze", "1"):
@@ -180,13 +222,18 @@ def create(namespace: str, lease_id: str) -> StepGroup | None:
     path = group_path(namespace, lease_id)
     if path is None:
         return None
-    try:
-        path.mkdir(parents=True, exist_ok=False)
-    except FileExistsError:
-        log.error("cgroup %s exists already: not reusing another lease's container", path)
-        return None
-    except OSError:
-        return None
+    for attempt in range(3):
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            log.error("cgroup %s exists already: not reusing another lease's container", path)
+            return None
+        except FileNotFoundError:  # another lease removed the namespace's folder meanwhile
+            if attempt == 2:
+                return None
+        except OSError:
+            return None
     try:
         return StepGroup(path)
     except OSError:

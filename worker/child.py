@@ -1,5 +1,7 @@
-"""The supervised child: started as the leader of its own group and session, watched through a
-pidfd, and ended together with everything it started (:mod:`worker.tree`)."""
+"""The supervised child: started as the leader of its own group and session, as the step user
+(:mod:`worker.stepuser`) and inside its lease's cgroup (:mod:`worker.cgroup`) where the host
+allows, watched through a pidfd, and ended together with everything it started: through the
+cgroup as a whole, or else through ``/proc`` (:mod:`worker.tree`)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,14 @@ from overnight.worker import procs, tree
 from overnight.worker.output import Pipes
 
 if TYPE_CHECKING:
+    from overnight.worker.cgroup import StepGroup
     from overnight.worker.signals import SignalCatcher
+    from overnight.worker.stepuser import StepUser
 
 log = logging.getLogger("overnight.supervisor")
+
+# How long members may resist SIGKILL before they are reported as survivors.
+KILL_TIMEOUT = 5.0
 
 _subreaper_lock = threading.Lock()
 _subreaper_users: dict[int, tuple[int, bool]] = {}  # pid -> (steps running, was before)
@@ -73,14 +80,19 @@ class Child:
         on_output: Callable[[bytes], None] | None,
         describe: str,
         stdin_data: bytes | None = None,
+        user: StepUser | None = None,
+        group: StepGroup | None = None,
     ) -> None:
         """Start ``argv`` with stdin from /dev/null, or from a pipe that already holds all of
         ``stdin_data`` (written and closed before the child starts, so it never waits on
-        us); raises OSError if it cannot start."""
+        us); as ``user`` if given, inside ``group`` if given (moved there between fork and
+        exec, so nothing it runs is ever outside it); raises OSError if it cannot start."""
         stdin: int = subprocess.DEVNULL
         if stdin_data is not None:
             stdin = _filled_pipe(stdin_data)
         try:
+            # The group's cgroup.procs was opened by us (root): cgroup v2 checks the opener's
+            # credentials, so the move works after the switch to the step user.
             self.proc = subprocess.Popen(
                 argv,
                 stdin=stdin,
@@ -90,6 +102,10 @@ class Child:
                 env=env,
                 start_new_session=True,
                 bufsize=0,
+                preexec_fn=group.enter if group is not None else None,
+                user=user.uid if user is not None else None,
+                group=user.gid if user is not None else None,
+                extra_groups=list(user.groups) if user is not None else None,
             )
         finally:
             if stdin_data is not None:
@@ -104,6 +120,7 @@ class Child:
             os.set_blocking(fd, False)
         self.pipes = Pipes(sources, on_output, describe)
         self.describe = describe
+        self.group = group
 
     def exit_status(self) -> tuple[bool, int]:
         """How the exited child ended, leaving it unreaped: (True, exit code) or (False, signal)."""
@@ -114,8 +131,11 @@ class Child:
     def end_tree(
         self, lease_id: str, grace: float, first_signal: int, signals: SignalCatcher | None
     ) -> tree.KillReport:
-        """End the child and everything it started (:func:`worker.tree.end_tree`); a further
-        signal to this process while the grace runs skips the rest of it."""
+        """End the child and everything it started, through its cgroup where it has one
+        (:meth:`worker.cgroup.StepGroup.end`), then through ``/proc``
+        (:func:`worker.tree.end_tree`: the whole path without a cgroup; with one, it only
+        collects orphans that came back to us, and ends anything that left the group). A
+        further signal to this process while the grace runs skips the rest of it."""
         seen = len(signals.pending) if signals is not None else 0
 
         def hurry() -> bool:
@@ -133,10 +153,25 @@ class Child:
             keep_unreaped={self.pid},
         )
         wake = [signals.read_fd] if signals is not None else []
-        report = tree.end_tree(target, grace, first_signal=first_signal, hurry=hurry, wake_fds=wake)
-        if report.signalled or report.killed:
+        in_group = None
+        if self.group is not None:
+            in_group = self.group.end(grace, first_signal=first_signal, hurry=hurry,
+                                      wake_fds=wake, kill_timeout=KILL_TIMEOUT)  # fmt: skip
+            grace = 0.0
+        report = tree.end_tree(target, grace, first_signal=first_signal, hurry=hurry,
+                               wake_fds=wake, kill_timeout=KILL_TIMEOUT)  # fmt: skip
+        if in_group is not None:
+            report.via_cgroup = True
+            report.in_group = in_group.signalled + in_group.killed
+            report.survivors |= set(in_group.survivors)
+            report.seconds += in_group.seconds
+        if report.survivors:
+            log.error("%s: %d process(es) of the tree SURVIVED SIGKILL: %s", self.describe,
+                      len(report.survivors), sorted(report.survivors))  # fmt: skip
+        if report.signalled or report.killed or report.in_group:
             log.warning("%s: ended %d process(es) of the tree in %.2fs", self.describe,
-                        len(report.signalled | report.killed), report.seconds)  # fmt: skip
+                        max(report.in_group, len(report.signalled | report.killed)),
+                        report.seconds)  # fmt: skip
         return report
 
     def reap(self) -> int:

@@ -35,7 +35,8 @@ def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
     from overnight.config.context import settings
 
     s = settings()
-    return QuickSettings(s.redis_url, s.namespace, s.heartbeat_gap, s.deadline, s.grace)
+    return QuickSettings(s.redis_url, s.namespace, s.heartbeat_gap, s.deadline, s.grace,
+                         s.step_user, s.allow_root_steps)  # fmt: skip
 
 
 def _seconds(name: str, value: float | None, default: float, *, zero_ok: bool = False) -> float:
@@ -183,9 +184,11 @@ def _supervise(
     from overnight.config.keys import Keys
     from overnight.worker import supervisor
     from overnight.worker.lease import LeaseRefused
+    from overnight.worker.stepuser import decide
 
     assert isinstance(catcher, supervisor.SignalCatcher)
     s = quick_settings()
+    user = decide(s.step_user, s.allow_root_steps, os.geteuid())  # exit 78 if it cannot be
     spec = supervisor.StepSpec(
         argv=argv,
         deadline=_seconds("--deadline", deadline, s.deadline),
@@ -196,6 +199,7 @@ def _supervise(
         output_beats=not no_output_beats,
         beat_while_alive=beat_while_alive,
         env=step_env_options(env_items, os.environ),
+        user=user,
     )
     client = supervisor.client_for_url(s.redis_url, spec.gap)
     try:

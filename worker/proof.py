@@ -46,6 +46,7 @@ class Proof:
     boot_id: str
     supervisor_pid: int
     supervisor_start_ticks: int
+    cgroup: str = ""  # the lease's cgroup folder, if the step runs in one
 
 
 def path_for(namespace: str, lease_id: str) -> Path:
@@ -53,8 +54,16 @@ def path_for(namespace: str, lease_id: str) -> Path:
     return proof_dir(namespace) / f"lease-{quote(lease_id, safe='')}.json"
 
 
-def write(namespace: str, lease_id: str, token: int, pid: int, ticks: int | None) -> bool:
-    """Record that this process started ``pid`` (started at ``ticks``) for the lease.
+def write(
+    namespace: str,
+    lease_id: str,
+    token: int,
+    pid: int,
+    ticks: int | None,
+    group: Path | None = None,
+) -> bool:
+    """Record that this process started ``pid`` (started at ``ticks``) for the lease, in the
+    cgroup ``group`` if given.
 
     Returns False (and logs why) if it could not: the reaper then never signals that
     lease's processes, it only ends the lease.
@@ -64,7 +73,7 @@ def write(namespace: str, lease_id: str, token: int, pid: int, ticks: int | None
         log.warning("lease=%s host=%s: no start time for the proof", lease_id, procs.hostname())
         return False
     return store(namespace, Proof(lease_id, token, pid, pid, ticks, procs.boot_id(),
-                                  os.getpid(), me))  # fmt: skip
+                                  os.getpid(), me, str(group or "")))  # fmt: skip
 
 
 def store(namespace: str, proof: Proof) -> bool:
@@ -113,6 +122,8 @@ def read(namespace: str, lease_id: str) -> tuple[Proof | None, str]:
     fields = (proof.token, proof.pid, proof.pgid, proof.start_ticks, proof.supervisor_pid,
               proof.supervisor_start_ticks)  # fmt: skip
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
+        return None, "proof unreadable"
+    if not isinstance(proof.cgroup, str):
         return None, "proof unreadable"
     return proof, ""
 

@@ -7,7 +7,8 @@ which ends only a lapsed lease, so a supervisor that is merely slow and a reaper
 reapers) never both end it; whoever loses is refused and does nothing more.
 
 What Redis says proves nothing about a process: a lease's processes are signalled only if
-its supervisor's local proof (:mod:`worker.proof`) is there and matches the document.
+its step's cgroup exists (its members are the lease's, whatever Redis says) or its
+supervisor's local proof (:mod:`worker.proof`) is there and matches the document.
 Otherwise the reaper logs why, ends the lease with an ``unproven:`` note and signals
 nothing. How trees are found and signalled: :mod:`worker.reaper_trees`.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from overnight.config.keys import Keys
-from overnight.worker import procs, proof
+from overnight.worker import cgroup, procs, proof, receipts
 from overnight.worker.lease import LeaseCorrupt, LeaseDoc, Leases
 from overnight.worker.procs import lease_tag
 from overnight.worker.reaper_rule import Decision, Facts, decide
@@ -164,6 +165,7 @@ def _reap_batch(
 
     decisions: list[tuple[str, LeaseDoc | None, Decision]] = []
     proofs: dict[str, proof.Proof] = {}
+    groups: dict[str, cgroup.StepGroup] = {}
     for lease_id, doc, is_alive in zip(ids, docs, alive, strict=True):
         facts = Facts(
             doc=doc, alive=is_alive, host_reaper_live=bool(doc and doc.host in live_hosts)
@@ -172,6 +174,10 @@ def _reap_batch(
             found, why = proof.check(keys.namespace, doc)
             if found is not None:
                 proofs[lease_id] = found
+            group = cgroup.open_existing(keys.namespace, lease_id)
+            if group is not None:
+                groups[lease_id] = group
+                why = ""  # the lease's own cgroup: its members are proven by the kernel
             facts = observe(doc, found, Facts(doc, False, facts.host_reaper_live, unproven=why))
         if lease_id in unreadable:
             d = Decision("skip", "unreadable-document")
@@ -183,15 +189,21 @@ def _reap_batch(
         decisions.append((lease_id, doc, d))
 
     to_kill = [
-        Target(doc, proofs[doc.lease_id], d.signal_group)
+        Target(doc, proofs.get(doc.lease_id), d.signal_group and doc.lease_id in proofs,
+               groups.pop(doc.lease_id, None))
         for _, doc, d in decisions
-        if d.action == "reap" and doc is not None and doc.lease_id in proofs
-    ]
+        if d.action == "reap" and doc is not None
+        and (doc.lease_id in proofs or doc.lease_id in groups)
+    ]  # fmt: skip
+    for group in groups.values():  # not reaped now (its supervisor acts): not ours to hold
+        group.remove_handle()
     signalled: dict[str, int] = {}
     if to_kill:
         signalled, survivors = kill_trees(to_kill, grace)
         report.signalled += sum(signalled.values())
-        report.survivors += survivors
+        report.survivors += sum(len(p) for p in survivors.values())
+        for lease_id, pids in survivors.items():
+            _record_survivors(client, keys, lease_id, pids)
 
     ending: list[tuple[LeaseDoc, Decision]] = []
     for lease_id, doc, d in decisions:
@@ -211,6 +223,14 @@ def _reap_batch(
             if doc.lease_id in proofs:
                 proof.remove(keys.namespace, doc.lease_id)
     return len(ids) - (report.ended + report.pruned - removed_before)
+
+
+def _record_survivors(client: redis.Redis, keys: Keys, lease_id: str, pids: list[int]) -> None:
+    try:
+        receipts.emit(client, keys, receipts.SURVIVORS, lease_id=lease_id, pids=sorted(pids),
+                      writer="reaper")  # fmt: skip
+    except Exception:
+        log.exception("lease=%s: cannot record the survivors %s", lease_id, pids)
 
 
 def _live_reaper_hosts(client: redis.Redis, keys: Keys, hosts: list[str]) -> set[str]:
@@ -261,6 +281,14 @@ def _prune(
         found, _why = proof.check(keys.namespace, doc)
         if found is not None:
             proof.remove(keys.namespace, lease_id)
+        # Likewise its cgroup: the lease is over, so whatever is still in it must go.
+        group = cgroup.open_existing(keys.namespace, lease_id)
+        if group is not None:
+            if group.populated():
+                ended = group.kill()
+                log.error("lease=%s host=%s: %d process(es) left in the cgroup of an ended "
+                          "lease; killed", lease_id, report.host, ended.killed)  # fmt: skip
+            group.remove()
 
 
 def run(

@@ -1,6 +1,9 @@
 """What the reaper sees of this host's lapsed leases in ``/proc``, and how it ends their trees.
 
-Only leases whose supervisor left a matching proof (:mod:`worker.proof`) get here: their
+A lease whose step ran in a cgroup (:mod:`worker.cgroup`) is ended through it: the group
+named by the lease id under overnight's cgroup folder is itself proof of membership (only
+root creates groups there, and no step can move a process into or out of one). Otherwise
+only leases whose supervisor left a matching proof (:mod:`worker.proof`) get here: their
 holder and its group and session count while the holder is still the very process the
 proof names; escaped descendants count by the ``OVERNIGHT_LEASE_ID`` tag in their
 environment. Pid 1, the reaper and its ancestors are never members, and every signal goes
@@ -11,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from overnight.worker import procs
+from overnight.worker.cgroup import StepGroup
 from overnight.worker.lease import LeaseDoc
 from overnight.worker.procs import Proc
 from overnight.worker.proof import Proof
@@ -26,11 +32,13 @@ log = logging.getLogger("overnight.reaper")
 
 @dataclass(frozen=True)
 class Target:
-    """One lease to reap: its document, its proof, and whether its holder's group counts."""
+    """One lease to reap: its document, its proof and/or its cgroup, and whether its
+    holder's process group counts."""
 
     doc: LeaseDoc
-    proof: Proof
+    proof: Proof | None
     signal_group: bool
+    group: StepGroup | None = None
 
 
 def observe(doc: LeaseDoc, proof: Proof | None, facts: Facts) -> Facts:
@@ -62,19 +70,36 @@ def observe(doc: LeaseDoc, proof: Proof | None, facts: Facts) -> Facts:
     )
 
 
-def kill_trees(targets: list[Target], grace: float) -> tuple[dict[str, int], int]:
-    """End every tree together: SIGTERM, up to ``grace`` seconds, SIGKILL what is left.
-    Returns the number of processes signalled per lease id, and how many survived."""
-    trees = LapsedTrees(targets)
-    result = end_tree(trees, grace)
-    for pid in sorted(result.survivors):
-        lease_id = trees.owner.get(pid, "?")
-        log.error("lease=%s host=%s pid=%d survived SIGKILL", lease_id, procs.hostname(), pid)
+def kill_trees(targets: list[Target], grace: float) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """End every tree together: SIGTERM, up to ``grace`` seconds, SIGKILL what is left;
+    cgroups are emptied and removed. Returns the number of processes signalled per lease
+    id, and the pids that survived per lease id."""
+    started = time.monotonic()
     counts: dict[str, int] = {}
-    for pid in result.signalled | result.killed:
-        lease_id = trees.owner.get(pid, "?")
-        counts[lease_id] = counts.get(lease_id, 0) + 1
-    return counts, len(result.survivors)
+    survivors: dict[str, list[int]] = {}
+    groups = {t.doc.lease_id: t.group for t in targets if t.group is not None}
+    for lease_id, group in groups.items():
+        counts[lease_id] = len(group.signal_all(signal.SIGTERM))
+    proven = [t for t in targets if t.proof is not None]
+    if proven:
+        trees = LapsedTrees(proven)
+        result = end_tree(trees, grace)
+        for pid in sorted(result.survivors):
+            survivors.setdefault(trees.owner.get(pid, "?"), []).append(pid)
+        for pid in result.signalled | result.killed:
+            lease_id = trees.owner.get(pid, "?")
+            counts[lease_id] = counts.get(lease_id, 0) + 1
+    for lease_id, group in groups.items():
+        left = max(0.0, grace - (time.monotonic() - started))
+        ended = group.end(left)
+        counts[lease_id] = counts.get(lease_id, 0) + ended.killed
+        if ended.survivors:
+            survivors.setdefault(lease_id, []).extend(ended.survivors)
+        group.remove()
+    for lease_id, pids in survivors.items():
+        log.error("lease=%s host=%s pids %s SURVIVED SIGKILL", lease_id, procs.hostname(),
+                  pids)  # fmt: skip
+    return counts, survivors
 
 
 class LapsedTrees(Tree):
@@ -106,7 +131,7 @@ class LapsedTrees(Tree):
         keep_out = self.protected
         found: dict[int, str] = {}
         for lease_id, target in self.targets.items():
-            if not target.signal_group:
+            if not target.signal_group or target.proof is None:
                 continue
             root = table.get(target.proof.pid)
             if root is None or root.start != target.proof.start_ticks or root.pid in keep_out:

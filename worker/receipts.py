@@ -23,9 +23,13 @@ if TYPE_CHECKING:
 # Approximate cap so a stream left alone for months stays bounded.
 STREAM_MAXLEN = 1_000_000
 
+# Processes of a lease's tree still alive after SIGKILL (data: pids, via cgroup|proc).
+SURVIVORS = "lease_survivors"
+
 KINDS = (
     "lease_acquired",
     "lease_ended",
+    SURVIVORS,
     "subprocess_lease_expired",
     "envelope_reset",
     "envelope_refused",

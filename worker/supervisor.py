@@ -27,7 +27,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker import outcome, procs, proof, stepenv, tree
+from overnight.worker import (
+    cgroup,
+    gateway_grant,
+    outcome,
+    procs,
+    proof,
+    receipts,
+    stepenv,
+    stepuser,
+    tree,
+)
 from overnight.worker.beatchannel import Beat, Channel
 from overnight.worker.child import Child, subreaper
 from overnight.worker.clients import (
@@ -37,6 +47,7 @@ from overnight.worker.clients import (
     supervisor_client,
     url_of,
 )
+from overnight.worker.gateway_grant import Grant
 from overnight.worker.keeper import Keeper
 from overnight.worker.lease import LeaseDoc, LeaseRefused, Leases
 from overnight.worker.outcome import Outcome
@@ -44,6 +55,8 @@ from overnight.worker.signals import FORWARDED, SignalCatcher
 
 if TYPE_CHECKING:
     import redis
+
+    from overnight.worker.stepuser import StepUser
 
 log = logging.getLogger("overnight.supervisor")
 
@@ -59,7 +72,10 @@ class StepSpec:
     the child's whole stdin (a pre-filled pipe; else /dev/null): how overnight's own model
     step gets its settings without the environment. ``install_signals`` makes
     SIGTERM/SIGINT/SIGHUP to this process end the step (main thread only; the CLI uses it,
-    an RQ horse does not).
+    an RQ horse does not). ``user`` is who the step runs as (None: this process's user;
+    the commands decide it by :func:`worker.stepuser.configured`); its scratch HOME is its
+    own and ``cwd`` must be a folder it can write, else the step does not start.
+    ``contain`` puts the step in a per-lease cgroup where this host and user allow it.
     """
 
     argv: list[str]
@@ -76,6 +92,10 @@ class StepSpec:
     install_signals: bool = False
     stdin_data: bytes | None = None
     note: str = "boot"
+    user: StepUser | None = None
+    contain: bool = True
+    # What the step may spend through the gateway; None: it gets no gateway token.
+    grant: Grant | None = None
 
 
 @dataclass
@@ -149,10 +169,12 @@ class _Run:
         self.child: Child | None = None
         self.channel: Channel | None = None
         self.home: str | None = None
+        self.group: cgroup.StepGroup | None = None
         self.note: str | None = None  # a note from the step not yet written
         self.note_at = 0.0
         self.keeper: Keeper
         self.lease_id = ""
+        self.gateway_token: str | None = None
 
     def run(self) -> SupervisedResult:
         started = time.monotonic()
@@ -187,21 +209,29 @@ class _Run:
         if early is not None:
             return self._signal_outcome(early)
         spec = self.spec
+        if spec.user is not None and spec.cwd is not None:
+            problem = stepuser.workdir_problem(spec.cwd, spec.user)
+            if problem is not None:
+                return self._refuse_start(f"the step user cannot use the workdir: {problem}")
         try:
             self.channel = Channel(self.lease_id)
-            self.home = stepenv.make_home(self.lease_id)
+            self.home = stepenv.make_home(self.lease_id, spec.user)
+            if spec.contain:
+                self.group = cgroup.create(self.keys.namespace, self.lease_id)
             env = stepenv.step_environment(os.environ, spec.env, lease_id=self.lease_id,
                                            task_id=spec.task_id, home=self.home,
-                                           channel=self.channel.environment())  # fmt: skip
+                                           channel=self.channel.environment(),
+                                           gateway=self._gateway_env())  # fmt: skip
             self.child = Child(spec.argv, cwd=spec.cwd, env=env, on_output=self.on_output,
                                describe=f"lease={self.lease_id} host={self.host}",
-                               stdin_data=spec.stdin_data)  # fmt: skip
+                               stdin_data=spec.stdin_data, user=spec.user,
+                               group=self.group)  # fmt: skip
         except OSError as exc:
             log.warning("lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host,
                         spec.argv[0], exc)  # fmt: skip
             return outcome.not_started(exc)
         proof.write(self.keys.namespace, self.lease_id, self.keeper.token, self.child.pid,
-                    self.child.ticks)  # fmt: skip
+                    self.child.ticks, self.group.path if self.group else None)  # fmt: skip
         self.keeper.attach(self.child.pid, self.child.ticks)
         self._mirror(self.keeper.doc)
         return self._loop(self.child)
@@ -243,6 +273,13 @@ class _Run:
             if ended is not None:
                 return ended
 
+    def _refuse_start(self, why: str) -> Outcome:
+        line = f"overnight: lease={self.lease_id}: {why}"
+        log.warning("%s", line)
+        if self.on_output is not None:
+            self.on_output(line.encode() + b"\n")
+        return outcome.not_started(PermissionError(13, why))
+
     def _answer(self, _beat: Beat) -> float:
         # Seconds a step that stays silent from now still has.
         now = time.monotonic()
@@ -261,13 +298,32 @@ class _Run:
                 self.note = note
         self.note_at = time.monotonic() + self.keeper.min_interval
 
+    def _gateway_env(self) -> dict[str, str] | None:
+        # A per-lease token, revoked with the step; the keeper watches what the gateway saw.
+        grant = self.spec.grant
+        if grant is None:
+            return None
+        ttl = self.spec.deadline + self.spec.gap + 60
+        self.gateway_token, env = gateway_grant.mint(self.client, self.keys, self.lease_id,
+                                                     self.keeper.token, grant, ttl,
+                                                     self.spec.gap)  # fmt: skip
+        self.keeper.gateway = gateway_grant.watch(self.client, self.keys, self.lease_id)
+        return env
+
     def _close_step_env(self) -> None:
+        if self.gateway_token is not None:
+            with contextlib.suppress(*redis_errors()):  # else its TTL ends it
+                gateway_grant.revoke(self.client, self.keys, self.lease_id, self.gateway_token)
+            self.gateway_token = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None
         if self.home is not None:
             stepenv.remove_home(self.home)
             self.home = None
+        if self.group is not None:
+            self.group.remove()  # a group that still has members is left to the reaper
+            self.group = None
 
     def _pending_signal(self) -> int | None:
         if self.signals is None or not self.signals.pending:
@@ -284,8 +340,24 @@ class _Run:
     def _kill_tree(self, ended: Outcome) -> tree.KillReport | None:
         if self.child is None:
             return None
-        return self.child.end_tree(self.lease_id, self.spec.grace, ended.first_signal,
-                                   self.signals)  # fmt: skip
+        report = self.child.end_tree(self.lease_id, self.spec.grace, ended.first_signal,
+                                     self.signals)  # fmt: skip
+        if report.survivors:
+            self._report_survivors(report)
+        return report
+
+    def _report_survivors(self, report: tree.KillReport) -> None:
+        # Loudly, and on the record: the morning-after view must show a tree that did not die.
+        log.error("lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
+                  self.lease_id, self.host, self.spec.task_id, len(report.survivors),
+                  sorted(report.survivors))  # fmt: skip
+        try:
+            receipts.emit(self.client, self.keys, receipts.SURVIVORS, lease_id=self.lease_id,
+                          task_id=self.spec.task_id, pids=sorted(report.survivors),
+                          via="cgroup" if report.via_cgroup else "proc")  # fmt: skip
+        except redis_errors() as exc:
+            log.error("lease=%s host=%s: cannot record the survivors: %s", self.lease_id,
+                      self.host, exc)  # fmt: skip
 
     def _finish(self, ended: Outcome, started: float) -> SupervisedResult:
         child = self.child

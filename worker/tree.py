@@ -31,6 +31,7 @@ from overnight.worker.procs import (
 )
 
 log = logging.getLogger("overnight.tree")
+FREEZE_MAX = 1.0
 
 # The plumbing lives in worker.procs; these names stay importable from here.
 __all__ = [
@@ -148,6 +149,8 @@ class KillReport:
     killed: set[int] = field(default_factory=set)
     survivors: set[int] = field(default_factory=set)
     seconds: float = 0.0
+    via_cgroup: bool = False  # the tree was ended through its cgroup first
+    in_group: int = 0  # processes the cgroup's end signalled or killed
 
 
 def _reap(members: dict[int, Proc], keep: set[int]) -> None:
@@ -205,25 +208,49 @@ def end_tree(
             if now >= grace_end or (hurry is not None and hurry()):
                 break
             sig.wait_any(alive, min(grace_end - now, 0.05), wake)
-        kill_end = time.monotonic() + kill_timeout
-        while True:
-            members = tree.members()
-            _reap(members, tree.keep_unreaped)
-            alive = {pid: p for pid, p in members.items() if not p.dead}
-            if not alive:
-                break
-            if time.monotonic() >= kill_end:
-                report.survivors = set(alive)
-                log.error("pids %s survived SIGKILL for %.1fs", sorted(alive), kill_timeout)
-                break
-            if tree.group_safe:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(tree.root, signal.SIGKILL)
-            for proc in alive.values():
-                if sig.send(proc, signal.SIGKILL):
-                    report.killed.add(proc.pid)
-            sig.wait_any(alive, 0.01, ())
+        _freeze_and_kill(tree, sig, report, kill_timeout)
     finally:
         sig.close()
     report.seconds = time.monotonic() - started
     return report
+
+
+def _freeze_and_kill(tree: Tree, sig: Signaller, report: KillReport, timeout: float) -> None:
+    """SIGSTOP every member, rescanning until a scan finds none that is not stopped yet (a
+    stopped process cannot fork, so pid hopping ends here), then SIGKILL them all; repeat
+    until none is alive, or report who resisted for ``timeout`` seconds."""
+    kill_end = time.monotonic() + timeout
+    # Freezing stops at the fixed point, or after this long (a member that keeps spawning
+    # faster than we scan still gets SIGKILL, repeatedly).
+    freeze_end = time.monotonic() + min(timeout, FREEZE_MAX)
+    stopped: set[tuple[int, int]] = set()
+    while True:
+        members = tree.members()
+        _reap(members, tree.keep_unreaped)
+        alive = {pid: p for pid, p in members.items() if not p.dead}
+        if not alive:
+            return
+        late = time.monotonic() >= kill_end
+        fresh = [p for p in alive.values() if (p.pid, p.start) not in stopped]
+        if fresh and not late and time.monotonic() < freeze_end:
+            if tree.group_safe:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(tree.root, signal.SIGSTOP)
+            for proc in fresh:
+                if sig.send(proc, signal.SIGSTOP):
+                    stopped.add((proc.pid, proc.start))
+            continue  # rescan at once: whatever forked before its stop shows up now
+        if tree.group_safe:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(tree.root, signal.SIGKILL)
+        for proc in alive.values():
+            if sig.send(proc, signal.SIGKILL):
+                report.killed.add(proc.pid)
+        if late:
+            sig.wait_any(alive, 0.05, ())
+            left = {pid for pid, p in tree.members().items() if not p.dead}
+            report.survivors = left
+            if left:
+                log.error("pids %s survived SIGKILL for %.1fs", sorted(left), timeout)
+            return
+        sig.wait_any(alive, 0.01, ())
