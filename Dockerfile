@@ -8,5 +8,9 @@ COPY coordinator ./coordinator
 COPY worker ./worker
 COPY overnight ./overnight
 RUN pip install .
+# overnight runs as root in the container (it makes a cgroup per step); every agent step and
+# verifier rule runs as this unprivileged user, which owns nothing of overnight's.
+RUN useradd --system --no-create-home --shell /usr/sbin/nologin overnight-step
+ENV OVERNIGHT_STEP_USER=overnight-step
 WORKDIR /tasks
 CMD ["overnight", "--help"]

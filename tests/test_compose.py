@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +110,22 @@ def service_argv(command: list[str], tasks: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_compose_topology_runs_the_example_tasks(tmp_path: Path) -> None:
+def test_compose_topology_runs_the_example_tasks(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Every service's own command, with its own environment, as local processes."""
     services = load()["services"]
     tasks = tmp_path / "tasks"
+    if os.geteuid() == 0:  # the steps run as the step user: the tasks must be its own
+        user = request.getfixturevalue("step_user")
+        tasks = Path(tempfile.mkdtemp(prefix="overnight-compose-", dir="/tmp")) / "tasks"
+        request.addfinalizer(lambda: shutil.rmtree(tasks.parent, ignore_errors=True))
+        tasks.parent.chmod(0o755)
     shutil.copytree(ROOT / "coordinator" / "examples", tasks)
+    if os.geteuid() == 0:
+        for folder, _dirs, files in os.walk(tasks):
+            for name in [folder, *(os.path.join(folder, f) for f in files)]:
+                os.chown(name, user.uid, user.gid)
     port = free_port()
     namespace = f"compose-{os.getpid()}"
     # What a user's .env would say: the Redis address on this machine and a small budget.
@@ -144,6 +156,10 @@ def test_compose_topology_runs_the_example_tasks(tmp_path: Path) -> None:
             env = {**base}
             for key, value in svc["environment"].items():
                 env[key] = interpolate(str(value), dotenv)
+            if os.geteuid() == 0:
+                env["OVERNIGHT_STEP_USER"] = user.name
+            else:  # the image runs overnight as root; this test may not
+                env.pop("OVERNIGHT_STEP_USER")
             replicas = svc.get("deploy", {}).get("replicas", 1)
             for i in range(replicas):
                 start(f"{name}-{i}", service_argv(svc["command"], tasks), env)
