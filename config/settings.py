@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     # Who steps run as when overnight runs as root; running them as root needs the opt-in.
     step_user: str | None = None
     allow_root_steps: bool = False
+    # This host's id in leases, reaper heartbeats, receipts and proofs (unset: the host name).
+    host_id: str | None = None
 
     @field_validator(*RULES, mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -144,6 +145,32 @@ def whole(minimum: int) -> Callable[[object], int]:
     return rule
 
 
+HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+def host_id(value: object) -> str | None:
+    """A host id (unset or empty: None, meaning the host name)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not HOST_RE.match(value):
+        raise ValueError(
+            "must be 1-253 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def this_host(environ: Mapping[str, str] | None = None) -> str:
+    """This host's id: ``OVERNIGHT_HOST_ID`` if set (and valid), else the host name. A bad
+    value falls back to the host name here; ``Settings`` reports it (exit 78)."""
+    raw = (os.environ if environ is None else environ).get(ENV_PREFIX + "HOST_ID")
+    try:
+        chosen = host_id(raw)
+    except ValueError:
+        chosen = None
+    return chosen or socket.gethostname()
+
+
 USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -197,6 +224,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "recovery_interval": positive,
     "step_user": user_name,
     "allow_root_steps": flag,
+    "host_id": host_id,
 }
 
 

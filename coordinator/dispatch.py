@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -43,7 +42,7 @@ from overnight.coordinator.taskstore import (
     server_time,
 )
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
-from overnight.worker.procs import set_pdeathsig
+from overnight.worker.procs import hostname, set_pdeathsig
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
@@ -182,7 +181,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
         loop_config(settings, namespace),
     )
     who = Runner(
-        host=socket.gethostname(),
+        host=hostname(),
         pid=os.getpid(),
         worker=os.environ.get("RQ_WORKER_ID", ""),
         job_id=job.id if job else "",

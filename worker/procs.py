@@ -14,11 +14,12 @@ import logging
 import os
 import select
 import signal
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
+
+from overnight.config import validate
 
 log = logging.getLogger("overnight.procs")
 
@@ -32,8 +33,9 @@ PR_GET_CHILD_SUBREAPER = 37
 
 @cache
 def hostname() -> str:
-    """This host's name, as leases and reaper heartbeats record it."""
-    return socket.gethostname()
+    """This host's id (``OVERNIGHT_HOST_ID``, default the host name), as leases, reaper
+    heartbeats, receipts and proofs record it."""
+    return validate.this_host()
 
 
 @cache

@@ -8,7 +8,6 @@ through :func:`append`. Readers get :class:`Receipt` models back.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from overnight.config.keys import Keys
+from overnight.worker import procs
 
 if TYPE_CHECKING:
     import redis
@@ -50,7 +50,7 @@ class Receipt(BaseModel):
     id: str = ""
     kind: str
     ts: float = Field(default_factory=time.time)
-    host: str = Field(default_factory=socket.gethostname)
+    host: str = Field(default_factory=procs.hostname)
     task_id: str | None = None
     lease_id: str | None = None
     data: dict[str, Any] = Field(default_factory=dict)
