@@ -45,6 +45,10 @@ from overnight.worker import tree
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.reaper import lease_tag
 
+# Who steps run as (contract §1): kept from the caller's environment.
+STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
+
+
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 PY = sys.executable
 ENVELOPE = "soak"
@@ -119,7 +123,11 @@ class Soak:
         self.keys = Keys(self.namespace)
         self.client = redis.Redis.from_url(server.url, decode_responses=True)
         self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")},
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith("OVERNIGHT_") or k in STEP_VARS
+            },
             "OVERNIGHT_REDIS_URL": server.url,
             "OVERNIGHT_NAMESPACE": self.namespace,
             "OVERNIGHT_QUEUE": self.namespace,

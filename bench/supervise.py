@@ -3,7 +3,9 @@
 ``.venv/bin/python -m bench.supervise`` starts its own private redis-server (about a
 minute). Targets (issue 2): p95 of (kill time - last beat) <= gap + 0.3 s over 20 runs at
 gap 1 s; median wall of ``overnight supervise --quiet -- true`` <= 0.35 s; supervisor peak
-RSS <= 40 MB.
+RSS <= 40 MB. Issue 11 tightened the first two: kill latency within gap + 0.1 s, and the
+overhead of ``true`` within 1.3x of 0.209 s (0.272 s). As root, set OVERNIGHT_STEP_USER or
+OVERNIGHT_ALLOW_ROOT_STEPS=1 (the child must be able to read the bench's scripts).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import time
 from pathlib import Path
 
 from overnight.coordinator.embedded_redis import EmbeddedRedis
+
+# Issue 11: containment keeps `supervise -- true` within 1.3x of the 0.209 s measured before.
+OVERHEAD = 1.3 * 0.209
+# Who steps run as (contract §1): kept from the caller's environment.
+STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
+
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 # Beats once (its first output line), then stays silent; notes when SIGTERM arrives.
@@ -101,13 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         server = EmbeddedRedis(work / "redis")
         server.start()
         try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith("OVERNIGHT_") or k in STEP_VARS
+            }
             env.update(OVERNIGHT_REDIS_URL=server.url, OVERNIGHT_NAMESPACE="bench-supervise")
             sup, bare, rss = overhead(env, args.runs)
             det = detection(env, args.runs, args.gap, work)
         finally:
             server.stop()
-    target = args.gap + 0.3
+    target = args.gap + 0.1  # issue 11: kill latency within gap + 0.1 s
     p95 = _pct(det, 0.95)
     med = statistics.median(sup)
     peak = max(rss)
@@ -116,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
           f"target p95 <= {target:.1f}s  {'PASS' if p95 <= target else 'MISS'}")  # fmt: skip
     print(f"overhead over {len(sup)} runs of `overnight supervise --quiet -- true`:")
     print(f"  median {med:.3f}s (bare true {statistics.median(bare) * 1000:.1f}ms, "
-          f"min {min(sup):.3f}s, max {max(sup):.3f}s)  target <= 0.35s  "
-          f"{'PASS' if med <= 0.35 else 'MISS'}")  # fmt: skip
+          f"min {min(sup):.3f}s, max {max(sup):.3f}s)  target <= {OVERHEAD:.3f}s  "
+          f"{'PASS' if med <= OVERHEAD else 'MISS'}")  # fmt: skip
     print(f"  supervisor peak RSS {peak:.1f} MB (median {statistics.median(rss):.1f} MB)  "
           f"target <= 40 MB  {'PASS' if peak <= 40 else 'MISS'}")  # fmt: skip
     return 0

@@ -21,6 +21,10 @@ import time
 import uuid
 from pathlib import Path
 
+# Who steps run as (contract §1): kept from the caller's environment.
+STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
+
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -115,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="overnight-bench-") as tmp,
         EmbeddedRedis(Path(tmp) / "redis") as server,
     ):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_") or k in STEP_VARS
+        }
         env.update(
             OVERNIGHT_REDIS_URL=server.url,
             OVERNIGHT_NAMESPACE=f"bench-{uuid.uuid4().hex[:6]}",

@@ -90,6 +90,17 @@ class Keys:
         """Set: request ids already charged to the task's own ``max_calls`` (idempotence)."""
         return f"{self.prefix}:task:{task_id}:charged"
 
+    # --- gateway ----------------------------------------------------------------------
+    def gateway_token(self, digest: str) -> str:
+        """String with a TTL: the lease id a gateway token (known only by its SHA-256
+        ``digest``) stands for; deleted when the lease ends."""
+        return f"{self.prefix}:gateway:token:{digest}"
+
+    def lease_grant(self, lease_id: str) -> str:
+        """Hash with a TTL: what a lease may spend through the gateway (task, envelope, caps,
+        the prepaid floor unit), and what only the gateway writes: its progress and refusal."""
+        return f"{self.prefix}:lease:{lease_id}:grant"
+
     # --- coordination -------------------------------------------------------------------
     def instance(self, role: str) -> str:
         """String with a TTL: a running ``overnight up``/coordinator of this namespace."""

@@ -18,7 +18,7 @@ from overnight.config import validate
 from overnight.config.validate import ENV_PREFIX, NAME_RE, RULES, mask_url
 
 __all__ = ["NAME_RE", "ConfigError", "Settings", "check_redis_url", "load_settings", "mask_url"]
-_SECRET_FIELDS = {"model_api_key", "redis_url"}
+_SECRET_FIELDS = {"model_api_key", "anthropic_api_key", "redis_url"}
 _ENV_NAMES = {"model_url": "OVERNIGHT_MODEL_URL (or MODEL_URL)"}
 
 
@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     model_api_key: SecretStr | None = None
     model_name: str = "gpt-4o-mini"
     model_timeout: float = Field(60.0, gt=0)
+    # The gateway's Anthropic-compatible upstream (the OpenAI-compatible one is model_url).
+    anthropic_url: str | None = None
+    anthropic_api_key: SecretStr | None = None
+    # Where `overnight gateway` listens, and the URL steps are pointed at (default: that).
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(4680, ge=1, le=65535)
+    gateway_url: str | None = None
     # How long an envelope remembers a request id, so a retried call is answered, not re-charged.
     request_id_ttl: int = Field(86_400, gt=0)
     # How often the reaper passes, and how long a reaper's host heartbeat lives without renewal.
@@ -83,8 +90,19 @@ class Settings(BaseSettings):
         """Settings as JSON-ready data, with every secret masked."""
         data = self.model_dump(mode="json")
         data["model_api_key"] = "********" if self.model_api_key else None
+        data["anthropic_api_key"] = "********" if self.anthropic_api_key else None
         data["redis_url"] = mask_url(self.redis_url)
         return data
+
+
+def gateway_base(settings: Settings) -> str:
+    """The gateway's base URL as steps reach it (no trailing slash)."""
+    if settings.gateway_url:
+        return settings.gateway_url.rstrip("/")
+    host = settings.gateway_host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{settings.gateway_port}"
 
 
 def check_redis_url(value: str) -> None:

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lease": ("worker.cli_lease:lease_group", "Show or list leases."),
     "reaper": ("worker.cli_reaper:reaper_command", "Kill trees whose lease lapsed."),
     "envelope": ("worker.cli_envelope:envelope_group", "The shared call budget."),
+    "gateway": ("worker.cli_gateway:gateway_command", "Run the metering model proxy."),
     "submit": ("coordinator.cli_tasks:submit_command", "Validate and enqueue task files."),
     "worker": ("coordinator.cli_tasks:worker_command", "Run an RQ worker for tasks."),
     "status": ("coordinator.cli_tasks:status_command", "Print a task's state as JSON."),

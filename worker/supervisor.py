@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker import cgroup, outcome, procs, proof, receipts, stepenv, stepuser, tree
+from overnight.worker import cgroup, outcome, procs, proof, stepenv, stepuser, tree
 from overnight.worker.beatchannel import Beat, Channel
 from overnight.worker.child import Child, subreaper
 from overnight.worker.clients import (
@@ -320,6 +320,8 @@ class _Run:
         log.error("lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
                   self.lease_id, self.host, self.spec.task_id, len(report.survivors),
                   sorted(report.survivors))  # fmt: skip
+        from overnight.worker import receipts  # pydantic: not on the fast path of every step
+
         try:
             receipts.emit(self.client, self.keys, receipts.SURVIVORS, lease_id=self.lease_id,
                           task_id=self.spec.task_id, pids=sorted(report.survivors),
