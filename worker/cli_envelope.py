@@ -26,12 +26,24 @@ def envelope_group() -> None:
 @click.argument("n", type=int)
 @click.option("--max-model", type=click.IntRange(min=0), help="Cap on model units.")
 @click.option("--max-tool", type=click.IntRange(min=0), help="Cap on tool units.")
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=0),
+    help="Cap on tokens (input + output) the gateway meters.",
+)
 @click.option("--name", default="default", show_default=True, help=_NAME_HELP)
-def reset_command(n: int, max_model: int | None, max_tool: int | None, name: str) -> None:
+def reset_command(
+    n: int, max_model: int | None, max_tool: int | None, tokens: int | None, name: str
+) -> None:
     """Set the envelope to N calls; consumed counters go back to 0."""
     if n < 0:
         raise click.BadParameter(f"must be 0 or more, not {n}", param_hint="N")
-    _print(_call(name, lambda env: env.reset(n, max_model=max_model, max_tool=max_tool)))
+    _print(
+        _call(
+            name,
+            lambda env: env.reset(n, max_model=max_model, max_tool=max_tool, max_tokens=tokens),
+        )
+    )
 
 
 @envelope_group.command("status")

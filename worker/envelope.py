@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import redis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from overnight.config.keys import Keys
 from overnight.config.settings import NAME_RE
@@ -47,10 +47,23 @@ class EnvelopeState(BaseModel):
     max_model: int | None = None
     max_tool: int | None = None
     budget: int = 0
+    # Tokens (input + output) metered by the gateway; no cap unless reset with one.
+    max_tokens: int | None = None
+    consumed_tokens: int = 0
+    reserved_tokens: int = 0
     # False for an envelope that was never created (it refuses every call).
     exists: bool = True
     # True when a request id was seen before and this is its first answer, replayed.
     replayed: bool = Field(False, exclude=True)
+
+    @model_serializer(mode="wrap")
+    def _tokens_when_metered(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The token fields appear once tokens are capped or spent (contract section 5).
+        data: dict[str, Any] = handler(self)
+        if self.max_tokens is None and not self.consumed_tokens and not self.reserved_tokens:
+            for key in ("max_tokens", "consumed_tokens", "reserved_tokens"):
+                data.pop(key, None)
+        return data
 
 
 class EnvelopeRefused(Exception):
@@ -211,16 +224,25 @@ class CallEnvelope:
         )
 
     def reset(
-        self, n: int, *, max_model: int | None = None, max_tool: int | None = None
+        self,
+        n: int,
+        *,
+        max_model: int | None = None,
+        max_tool: int | None = None,
+        max_tokens: int | None = None,
     ) -> EnvelopeState:
         """Set ``remaining`` to ``n`` and the consumed counters to 0; caps are set or cleared.
 
+        ``max_tokens`` caps the tokens (input + output) the gateway may spend; None: no cap.
         Open reservations are dropped. Raises ``ValueError`` for ``n < 0`` or a negative cap.
         """
-        for label, value in (("n", n), ("max_model", max_model), ("max_tool", max_tool)):
+        caps = (("n", n), ("max_model", max_model), ("max_tool", max_tool),
+                ("max_tokens", max_tokens))  # fmt: skip
+        for label, value in caps:
             if value is not None:
                 _check_units(label, value, minimum=0)
-        args = (*self._keys, *self._context, n, _opt(max_model), _opt(max_tool))
+        args = (*self._keys, *self._context, n, _opt(max_model), _opt(max_tool), "",
+                _opt(max_tokens))  # fmt: skip
         return self._run(self._reset, "reset", 3, args).state
 
     def create(self, n: int) -> bool:
@@ -372,6 +394,10 @@ class _Reply(NamedTuple):
             budget=int(values[10] or 0),
             replayed=values[0] == "1",
         )
+        if len(values) >= 16:
+            state.max_tokens = int(values[13]) if values[13] else None
+            state.consumed_tokens = int(values[14] or 0)
+            state.reserved_tokens = int(values[15] or 0)
         return cls(values[1] == "1", values[2], state, (values[11], values[12]))
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from overnight.worker import outcome
 from overnight.worker.clients import redis_errors
+from overnight.worker.gateway_grant import Seen
 from overnight.worker.lease import LeaseCorrupt, LeaseDoc, LeaseRefused, Leases, lapsed_reason
 from overnight.worker.outcome import Outcome
 
@@ -70,6 +71,11 @@ class Keeper:
         self.lapse_at = now + min(gap, deadline)  # when Redis's liveness key could lapse
         self.unreachable_since: float | None = None
         self.retry_at = 0.0
+        # What the gateway wrote for this lease (set when the step was given a token): a
+        # model at work counts as progress; a refused call ends the step.
+        self.gateway: Callable[[], Seen] | None = None
+        self.gateway_every = max(0.05, min(1.0, gap / 4))
+        self.gateway_at = now
 
     @property
     def beat_pending(self) -> bool:
@@ -117,12 +123,18 @@ class Keeper:
             wake = min(wake, self.last_beat + self.alive_interval)
         if self.unreachable_since is not None:
             wake = min(wake, self.retry_at, self.unreachable_since + self.gap)
+        if self.gateway is not None:
+            wake = min(wake, self.gateway_at)
         return wake
 
     def tick(self, now: float) -> Outcome | None:
         """Do what is due at ``now``; an outcome if the step must end."""
         if self.beat_while_alive and now >= self.last_beat + self.alive_interval:
             self.beat_pending = True
+        if self.gateway is not None and now >= self.gateway_at:
+            refused = self._look_at_gateway(now)
+            if refused is not None:
+                return refused
         if self.local_lapse(now) is not None:
             if self.redis_beats and self.unreachable_since is None:
                 # The child may have beaten through Redis meanwhile: look before ending.
@@ -147,6 +159,24 @@ class Keeper:
                 return ended
         if self.clock() >= self.lapse_at:
             return self._probe()
+        return None
+
+    def _look_at_gateway(self, now: float) -> Outcome | None:
+        assert self.gateway is not None
+        self.gateway_at = now + self.gateway_every
+        try:
+            seen = self.gateway()
+        except self.errors:
+            return None  # the lease's own probes and beats decide about an outage
+        if seen.refused:
+            log.warning("lease=%s host=%s: the gateway refused a call (%s); ending the tree",
+                        self.lease_id, self.host, seen.refused)  # fmt: skip
+            return outcome.call_refused(seen.refused)
+        if seen.progress_age is not None and seen.progress_age < self.gap:
+            at = now - seen.progress_age
+            if at > self.last_seen:
+                self.last_seen = at
+                self._beat_pending = True
         return None
 
     def _beat(self) -> Outcome | None:

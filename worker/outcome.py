@@ -61,6 +61,13 @@ def ended_elsewhere(status: str) -> Outcome:
     return Outcome("killed", f"ended-elsewhere:{status}", code, write=False)
 
 
+def call_refused(detail: str) -> Outcome:
+    """The gateway refused one of the step's model calls (its budget is spent): the step is
+    ended, so a client's retry loop burns nothing more (exit 2, note ``call-refused: …``)."""
+    line = " ".join(detail.split())[:300]
+    return Outcome("killed", f"call-refused: {line}", EXIT_REFUSED)
+
+
 def lost() -> Outcome:
     """The lease cannot be kept (Redis unreachable for the gap, or its record gone)."""
     return Outcome("killed", "lease-lost", EXIT_LEASE_LOST, lost=True)

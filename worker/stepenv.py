@@ -66,13 +66,16 @@ def step_environment(
     task_id: str | None = None,
     home: str | None = None,
     channel: Mapping[str, str] | None = None,
+    gateway: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The whole environment of one step.
 
     ``base`` is the supervisor's environment (only :data:`ALLOWED` names pass), ``declared``
     what the step adds (the task's ``env``, overnight's step variables), ``home`` its scratch
     folder, ``channel`` the beat channel's variables. Credentials are dropped from every
-    source; reserved names come only from the arguments.
+    source; reserved names come only from the arguments. ``gateway`` is the step's
+    per-lease gateway token and base URLs (:mod:`worker.gateway_grant`): set last, since
+    ``OPENAI_API_KEY`` is named like a credential but is only good while this lease runs.
     """
     env = {k: v for k, v in base.items() if k in ALLOWED or k.startswith(ALLOWED_PREFIXES)}
     env.setdefault("PATH", DEFAULT_PATH)
@@ -82,6 +85,7 @@ def step_environment(
     for name, value in (channel or {}).items():
         if not is_credential(name):
             env[name] = value
+    env.update(gateway or {})
     if home is not None:
         env["HOME"] = home
         env["TMPDIR"] = os.path.join(home, "tmp")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker import cgroup, outcome, procs, proof, stepenv, stepuser, tree
+from overnight.worker import cgroup, gateway_grant, outcome, procs, proof, stepenv, stepuser, tree
 from overnight.worker.beatchannel import Beat, Channel
 from overnight.worker.child import Child, subreaper
 from overnight.worker.clients import (
@@ -37,6 +37,7 @@ from overnight.worker.clients import (
     supervisor_client,
     url_of,
 )
+from overnight.worker.gateway_grant import Grant
 from overnight.worker.keeper import Keeper
 from overnight.worker.lease import LeaseDoc, LeaseRefused, Leases
 from overnight.worker.outcome import Outcome
@@ -83,6 +84,8 @@ class StepSpec:
     note: str = "boot"
     user: StepUser | None = None
     contain: bool = True
+    # What the step may spend through the gateway; None: it gets no gateway token.
+    grant: Grant | None = None
 
 
 @dataclass
@@ -161,6 +164,7 @@ class _Run:
         self.note_at = 0.0
         self.keeper: Keeper
         self.lease_id = ""
+        self.gateway_token: str | None = None
 
     def run(self) -> SupervisedResult:
         started = time.monotonic()
@@ -206,7 +210,8 @@ class _Run:
                 self.group = cgroup.create(self.keys.namespace, self.lease_id)
             env = stepenv.step_environment(os.environ, spec.env, lease_id=self.lease_id,
                                            task_id=spec.task_id, home=self.home,
-                                           channel=self.channel.environment())  # fmt: skip
+                                           channel=self.channel.environment(),
+                                           gateway=self._gateway_env())  # fmt: skip
             self.child = Child(spec.argv, cwd=spec.cwd, env=env, on_output=self.on_output,
                                describe=f"lease={self.lease_id} host={self.host}",
                                stdin_data=spec.stdin_data, user=spec.user,
@@ -283,7 +288,23 @@ class _Run:
                 self.note = note
         self.note_at = time.monotonic() + self.keeper.min_interval
 
+    def _gateway_env(self) -> dict[str, str] | None:
+        # A per-lease token, revoked with the step; the keeper watches what the gateway saw.
+        grant = self.spec.grant
+        if grant is None:
+            return None
+        ttl = self.spec.deadline + self.spec.gap + 60
+        self.gateway_token, env = gateway_grant.mint(self.client, self.keys, self.lease_id,
+                                                     self.keeper.token, grant, ttl,
+                                                     self.spec.gap)  # fmt: skip
+        self.keeper.gateway = gateway_grant.watch(self.client, self.keys, self.lease_id)
+        return env
+
     def _close_step_env(self) -> None:
+        if self.gateway_token is not None:
+            with contextlib.suppress(*redis_errors()):  # else its TTL ends it
+                gateway_grant.revoke(self.client, self.keys, self.lease_id, self.gateway_token)
+            self.gateway_token = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -1,10 +1,14 @@
 -- Shared prelude of the envelope scripts: worker/envelope.py prepends it to each of them.
--- The envelope hash holds the eight FIELDS below (max_model and max_tool only when capped).
+-- The envelope hash holds the eleven FIELDS below (the max_* fields only when capped).
 -- An open reservation is a member 'id:kind:units' of the reservations zset, scored by its
 -- expiry in server ms; reserved_<kind> always equals the units of the open members.
--- Replies are one string 'replayed|allowed|reason|<the eight fields>|extra1|extra2'.
+-- Tokens (input + output, for the gateway) are not units: an open reservation of kind
+-- 'tokens' holds reserved_tokens against max_tokens and never touches `remaining`.
+-- Replies are one string 'replayed|allowed|reason|<the first eight fields>|extra1|extra2|
+-- max_tokens|consumed_tokens|reserved_tokens'.
 local FIELDS = {'remaining', 'consumed_model', 'consumed_tool', 'reserved_model',
-  'reserved_tool', 'max_model', 'max_tool', 'budget'}
+  'reserved_tool', 'max_model', 'max_tool', 'budget', 'max_tokens', 'consumed_tokens',
+  'reserved_tokens'}
 -- Positions in FIELDS of each kind's consumed, reserved and max fields.
 local AT = {model = {2, 4, 6}, tool = {3, 5, 7}}
 -- Integers up to 2^53 stay exact in Lua's doubles.
@@ -22,9 +26,10 @@ end
 -- write anything, since a script that fails half-way keeps its earlier writes.
 local function load(hash)
   local v = redis.pcall('HMGET', hash, 'remaining', 'consumed_model', 'consumed_tool',
-    'reserved_model', 'reserved_tool', 'max_model', 'max_tool', 'budget')
+    'reserved_model', 'reserved_tool', 'max_model', 'max_tool', 'budget', 'max_tokens',
+    'consumed_tokens', 'reserved_tokens')
   if v.err then return nil end
-  for i = 1, 8 do
+  for i = 1, 11 do
     local x = v[i]
     if not x then
       v[i] = ''
@@ -38,13 +43,15 @@ end
 -- Give back the units of reservations that expired uncommitted; returns the fresh state.
 -- Only touches the zset while some reservation is open, so plain consumes stay cheap.
 local function sweep(hash, zset, v, now)
-  if (tonumber(v[4]) or 0) + (tonumber(v[5]) or 0) <= 0 then return v end
+  if (tonumber(v[4]) or 0) + (tonumber(v[5]) or 0) + (tonumber(v[11]) or 0) <= 0 then
+    return v
+  end
   local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now or now_ms(), 'LIMIT', 0, 256)
   if #due == 0 then return v end
   for _, member in ipairs(due) do
     local _, kind, units = string.match(member, '^(.-):(%a+):(%d+)$')
     if kind then
-      redis.call('HINCRBY', hash, 'remaining', units)
+      if kind ~= 'tokens' then redis.call('HINCRBY', hash, 'remaining', units) end
       redis.call('HINCRBY', hash, 'reserved_' .. kind, '-' .. units)
     end
     redis.call('ZREM', zset, member)
@@ -68,7 +75,13 @@ end
 local function reply(allowed, reason, v, extra1, extra2)
   return allowed .. '|' .. reason .. '|' .. v[1] .. '|' .. v[2] .. '|' .. v[3] .. '|' ..
     v[4] .. '|' .. v[5] .. '|' .. v[6] .. '|' .. v[7] .. '|' .. v[8] .. '|' ..
-    (extra1 or '') .. '|' .. (extra2 or '')
+    (extra1 or '') .. '|' .. (extra2 or '') .. '|' .. v[9] .. '|' .. v[10] .. '|' .. v[11]
+end
+
+-- Tokens still free under the cap (nil when there is no token cap).
+local function tokens_left(v)
+  if v[9] == '' then return nil end
+  return tonumber(v[9]) - (tonumber(v[10]) or 0) - (tonumber(v[11]) or 0)
 end
 
 -- Append a receipt; ctx is the caller's JSON {envelope, host, task_id, lease_id, maxlen}.

@@ -1,0 +1,300 @@
+"""What the gateway reads off the wire, as pure functions: routes, error shapes, token holds
+and usage per format (OpenAI chat completions, OpenAI Responses, Anthropic Messages).
+
+No sockets, no Redis, no clock: the gateway hands these bytes and parsed JSON, and they are
+tested as tables. Nothing here changes what is forwarded, except :func:`ask_for_usage`
+(chat streams are asked for their usage chunk) and :func:`is_unasked_usage_chunk` (that chunk
+is then not shown to a client that did not ask for it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Route = Literal["chat", "responses", "messages", "count_tokens", "models"]
+Family = Literal["openai", "anthropic"]
+
+ROUTES: dict[tuple[str, str], Route] = {
+    ("POST", "/v1/chat/completions"): "chat",
+    ("POST", "/v1/responses"): "responses",
+    ("POST", "/v1/messages"): "messages",
+    ("POST", "/v1/messages/count_tokens"): "count_tokens",
+    ("GET", "/v1/models"): "models",
+}
+METERED: frozenset[Route] = frozenset({"chat", "responses", "messages"})
+# A request body larger than this is refused (413) before anything is charged.
+MAX_BODY = 32 * 1024 * 1024
+# Output tokens held per request before it is forwarded, and added per chunk while a stream
+# runs past what is held: so a client asking max_tokens 64000 (or nothing) holds at most this.
+HOLD_CHUNK = 8192
+BYTES_PER_TOKEN = 4
+
+
+def family(route: Route | None, path: str) -> Family:
+    """Which error shape a request gets: Anthropic's for /v1/messages*, else OpenAI's."""
+    if route in ("messages", "count_tokens") or path.startswith("/v1/messages"):
+        return "anthropic"
+    return "openai"
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 404: "invalid_request_error", 413: "invalid_request_error",
+                 429: "insufficient_quota", 502: "api_error", 504: "api_error"}  # fmt: skip
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 502: "api_error", 504: "timeout_error"}  # fmt: skip
+
+
+def error_body(fam: Family, status: int, message: str) -> bytes:
+    """The wire format's own error body for ``status`` with a one-line ``message``."""
+    line = " ".join(message.split())
+    if fam == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        return json.dumps({"type": "error", "error": {"type": kind, "message": line}}).encode()
+    kind = _OPENAI_TYPES.get(status, "api_error")
+    code = "overnight_" + kind
+    return json.dumps(
+        {"error": {"message": line, "type": kind, "param": None, "code": code}}
+    ).encode()
+
+
+def stream_error_event(route: Route, status: int, message: str) -> bytes:
+    """The format's error event, for a refusal or failure after a stream has begun."""
+    line = " ".join(message.split())
+    if route == "messages":
+        body = json.loads(error_body("anthropic", status, line))
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    if route == "responses":
+        kind = _OPENAI_TYPES.get(status, "api_error")
+        body = {"type": "error", "code": kind, "message": line, "param": None}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + error_body("openai", status, line) + b"\n\n"
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks for: its model, whether it streams, its output cap."""
+
+    model: str
+    stream: bool
+    max_output: int | None
+    # chat only: the client asked for the usage chunk itself (stream_options.include_usage)
+    wants_usage: bool = False
+
+
+def read_ask(route: Route, body: Any) -> Ask:
+    """The facts of a metered request body; ``ValueError`` (one line) if it is not usable."""
+    if not isinstance(body, dict):
+        raise ValueError("the request body is not a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("the request names no model")
+    stream = body.get("stream") is True
+    names = {"chat": ("max_completion_tokens", "max_tokens"), "responses": ("max_output_tokens",),
+             "messages": ("max_tokens",)}.get(route, ())  # fmt: skip
+    max_output = None
+    for name in names:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            max_output = value
+            break
+    options = body.get("stream_options")
+    wants = isinstance(options, dict) and options.get("include_usage") is True
+    return Ask(model, stream, max_output, wants)
+
+
+def hold_for(body_bytes: int, ask: Ask) -> int:
+    """Tokens held before forwarding: the input estimated from the body's size, plus the
+    output asked for, at most :data:`HOLD_CHUNK` (a stream takes more in chunks as it runs)."""
+    output = min(ask.max_output or HOLD_CHUNK, HOLD_CHUNK)
+    return body_bytes // BYTES_PER_TOKEN + output + 1
+
+
+def ask_for_usage(route: Route, body: dict[str, Any], ask: Ask) -> dict[str, Any] | None:
+    """A chat stream's body with ``stream_options.include_usage`` set, or None if it needs
+    no change (not a chat stream, or the client asked already)."""
+    if route != "chat" or not ask.stream or ask.wants_usage:
+        return None
+    options = body.get("stream_options")
+    merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return {**body, "stream_options": merged}
+
+
+@dataclass
+class Usage:
+    """Tokens and tool calls of one response, as the upstream reported them."""
+
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+    tools: int = 0
+    found: bool = False
+    # chat stream tool calls seen: (choice index, tool call index)
+    _calls: set[tuple[int, int]] = field(default_factory=set, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        """What a token cap counts: input (cache reads and writes too) plus output."""
+        return self.input + self.cache_read + self.cache_write + self.output
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _openai_usage(usage: Any, out: Usage, *, chat: bool) -> None:
+    if not isinstance(usage, dict):
+        return
+    out.found = True
+    details = usage.get("prompt_tokens_details" if chat else "input_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    total_in = _int(usage.get("prompt_tokens" if chat else "input_tokens"))
+    # OpenAI counts cached tokens inside the input total: keep them apart, never twice.
+    out.input, out.cache_read = max(0, total_in - cached), min(cached, total_in)
+    out.output = _int(usage.get("completion_tokens" if chat else "output_tokens"))
+
+
+def _anthropic_usage(usage: Any, out: Usage) -> None:
+    if not isinstance(usage, dict):
+        return
+    out.found = True
+    # message_delta's usage is cumulative: later values replace earlier ones.
+    if "input_tokens" in usage:
+        out.input = _int(usage.get("input_tokens"))
+    if "cache_read_input_tokens" in usage:
+        out.cache_read = _int(usage.get("cache_read_input_tokens"))
+    if "cache_creation_input_tokens" in usage:
+        out.cache_write = _int(usage.get("cache_creation_input_tokens"))
+    if "output_tokens" in usage:
+        out.output = _int(usage.get("output_tokens"))
+
+
+_RESPONSE_TOOL_ITEMS = frozenset({"function_call", "custom_tool_call"})
+
+
+def _response_tools(output: Any) -> int:
+    if not isinstance(output, list):
+        return 0
+    return sum(1 for item in output if isinstance(item, dict)
+               and item.get("type") in _RESPONSE_TOOL_ITEMS)  # fmt: skip
+
+
+def usage_of_body(route: Route, body: Any) -> Usage:
+    """Usage and tool calls of a whole (non-streaming) JSON response."""
+    out = Usage()
+    if not isinstance(body, dict):
+        return out
+    if route == "chat":
+        _openai_usage(body.get("usage"), out, chat=True)
+        for choice in body.get("choices") or []:
+            message = choice.get("message") if isinstance(choice, dict) else None
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            out.tools += len(calls) if isinstance(calls, list) else 0
+    elif route == "responses":
+        _openai_usage(body.get("usage"), out, chat=False)
+        out.tools = _response_tools(body.get("output"))
+    elif route == "messages":
+        _anthropic_usage(body.get("usage"), out)
+        content = body.get("content")
+        if isinstance(content, list):
+            out.tools = sum(1 for block in content if isinstance(block, dict)
+                            and block.get("type") == "tool_use")  # fmt: skip
+    return out
+
+
+def feed_event(route: Route, data: Any, out: Usage) -> None:
+    """Add one streamed event's JSON ``data`` to ``out``."""
+    if not isinstance(data, dict):
+        return
+    if route == "chat":
+        if data.get("usage") is not None:
+            _openai_usage(data.get("usage"), out, chat=True)
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            for call in calls if isinstance(calls, list) else []:
+                if isinstance(call, dict):
+                    out._calls.add((_int(choice.get("index")), _int(call.get("index"))))
+        out.tools = len(out._calls)
+    elif route == "responses":
+        kind = data.get("type")
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = data.get("response")
+            if isinstance(response, dict):
+                _openai_usage(response.get("usage"), out, chat=False)
+                out.tools = _response_tools(response.get("output"))
+    elif route == "messages":
+        kind = data.get("type")
+        if kind == "message_start":
+            message = data.get("message")
+            if isinstance(message, dict):
+                _anthropic_usage(message.get("usage"), out)
+        elif kind == "message_delta":
+            _anthropic_usage(data.get("usage"), out)
+        elif kind == "content_block_start":
+            block = data.get("content_block")
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                out.tools += 1
+
+
+def event_data(event: bytes) -> Any:
+    """The JSON of an SSE event's ``data:`` lines, or None (``[DONE]``, a comment, junk)."""
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    raw = b"\n".join(lines)
+    if raw == b"[DONE]":
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+_LAST_TYPES = frozenset({"message_stop", "response.completed", "response.incomplete",
+                         "response.failed"})  # fmt: skip
+
+
+def is_last_event(event: bytes, data: Any) -> bool:
+    """A stream's closing event (``[DONE]``, ``message_stop``, ``response.completed``…)."""
+    if isinstance(data, dict):
+        return data.get("type") in _LAST_TYPES
+    return b"[DONE]" in event
+
+
+def is_unasked_usage_chunk(data: Any) -> bool:
+    """A chat stream's usage-only chunk (no choices): hidden from a client that did not ask."""
+    return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")
+
+
+def split_events(buffer: bytearray) -> list[bytes]:
+    """Take the complete SSE events (each with its blank-line end) off the front of
+    ``buffer``; what is left is an event still arriving."""
+    events: list[bytes] = []
+    start = 0
+    while True:
+        cut = _event_end(buffer, start)
+        if cut < 0:
+            break
+        events.append(bytes(buffer[start:cut]))
+        start = cut
+    del buffer[:start]
+    return events
+
+
+def _event_end(buffer: bytearray, start: int) -> int:
+    ends = [(buffer.find(sep, start), len(sep)) for sep in (b"\n\n", b"\r\n\r\n")]
+    found = [(at, n) for at, n in ends if at >= 0]
+    if not found:
+        return -1
+    at, n = min(found)
+    return at + n
+
+
+def estimate(body_bytes: int, response_bytes: int) -> Usage:
+    """Usage guessed from sizes when the upstream reported none (ledger row ``estimated``)."""
+    return Usage(input=body_bytes // BYTES_PER_TOKEN + 1,
+                 output=response_bytes // BYTES_PER_TOKEN + 1)  # fmt: skip
