@@ -72,7 +72,8 @@ def responses(model: str) -> tuple[Any, list[bytes]]:
                    for i in range(2)]  # fmt: skip
     whole: dict[str, Any] = {"id": "r1", "object": "response", "created_at": 1,
                              "status": "completed", "model": model, "output": output,
-                             "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}  # fmt: skip
+                             "parallel_tool_calls": True, "tool_choice": "auto",
+                             "tools": []}  # fmt: skip
     if "nousage" not in model:
         whole["usage"] = {"input_tokens": INPUT, "output_tokens": OUTPUT,
                           "total_tokens": INPUT + OUTPUT,
@@ -121,8 +122,8 @@ def messages(model: str) -> tuple[Any, list[bytes]]:
                                 "content_block": {**block, "input": {}}},
                                "content_block_start"))  # fmt: skip
         events.append(_sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
-    delta: dict[str, Any] = {"type": "message_delta",
-                             "delta": {"stop_reason": "end_turn", "stop_sequence": None}}  # fmt: skip
+    stop = {"stop_reason": "end_turn", "stop_sequence": None}
+    delta: dict[str, Any] = {"type": "message_delta", "delta": stop}
     if "nousage" not in model:
         delta["usage"] = {"output_tokens": OUTPUT}
     events += [_sse(delta, "message_delta"), _sse({"type": "message_stop"}, "message_stop")]

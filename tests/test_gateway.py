@@ -159,8 +159,10 @@ def test_responses_json_and_stream_with_tool_calls(gw: Gw) -> None:
     # Two model requests; the first asked for two tool calls: one tool unit each.
     assert (state.consumed_model, state.consumed_tool, state.remaining) == (2, 2, 6)
     assert state.consumed_tokens == 2 * UP_TOKENS
-    assert [(c["route"], c["tool_calls"]) for c in gw.calls()] == [("responses", 2),
-                                                                   ("responses", 0)]
+    assert [(c["route"], c["tool_calls"]) for c in gw.calls()] == [
+        ("responses", 2),
+        ("responses", 0),
+    ]
 
 
 def test_anthropic_json_and_stream_forward_headers(gw: Gw, upstream: str) -> None:
@@ -209,8 +211,9 @@ def test_query_string_count_tokens_models_and_head(gw: Gw, upstream: str) -> Non
 def test_no_usage_is_estimated(gw: Gw) -> None:
     gw.envelope().reset(10)
     _, token = gw.grant()
-    gw.openai(token).chat.completions.create(model="m-nousage",
-                                             messages=[{"role": "user", "content": "x"}])
+    gw.openai(token).chat.completions.create(
+        model="m-nousage", messages=[{"role": "user", "content": "x"}]
+    )
     (row,) = gw.calls()
     assert row["estimated"] is True and row["tokens"] > 0
     assert gw.envelope().snapshot().consumed_tokens == row["tokens"]
@@ -238,14 +241,17 @@ def test_refusal_is_a_429_in_each_format_and_sticks(gw: Gw) -> None:
 
 
 def test_token_cap_of_the_envelope_and_task_caps(gw: Gw) -> None:
-    gw.envelope().reset(100, max_tokens=2 * UP_TOKENS)
+    gw.envelope().reset(100, max_tokens=3 * UP_TOKENS)
     _, token = gw.grant()
     client = gw.openai(token)
     msgs: Any = [{"role": "user", "content": "x"}]
-    client.chat.completions.create(model="m", messages=msgs)
-    client.chat.completions.create(model="m", messages=msgs)
+    # Each request holds its body's estimate plus its max_tokens (about 26 tokens here):
+    # it is forwarded only while that whole hold fits under the cap.
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=10)
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=10)
     with pytest.raises(openai.RateLimitError, match="token cap"):
-        client.chat.completions.create(model="m", messages=msgs)
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=10)
+    assert gw.envelope().snapshot().consumed_tokens == 2 * UP_TOKENS
     gw.envelope().reset(100)
     gw.r.hset(gw.keys.task("t1"), mapping={"calls_used": 1})
     _, token = gw.grant(task_id="t1", max_calls=3, prepaid=True)

@@ -4,7 +4,7 @@
 -- the lease is refused without a charge) and leaves a call_refused receipt.
 -- KEYS[1] grant hash   KEYS[2] lease hash   KEYS[3] envelope hash   KEYS[4] reservations zset
 -- KEYS[5] receipt stream   KEYS[6] task hash (optional: only for a task's step)
--- ARGV[1] receipt context (JSON)  ARGV[2] tokens wanted for the hold (>= 1)
+-- ARGV[1] receipt context (JSON)  ARGV[2] tokens to hold (>= 1)
 -- ARGV[3] hold id  ARGV[4] hold ttl (ms)  ARGV[5] route
 -- Returns {1, 'ok', hold, prepaid ('1'|'0'), member} or {0, reason, detail}: reason is ended
 --   (no grant, or the lease is not running) | refused (refused before) | bad-args | corrupt
@@ -36,14 +36,13 @@ if not prepaid then
       (v[1] == '' and '0' or v[1])
   end
 end
+-- A request is forwarded only if its whole hold fits: the cap is passed only by output
+-- beyond what was held (see README, "Metering real agents").
 local hold = want
 local left = tokens_left(v)
-if not why and left then
-  if left <= 0 then
-    why, detail = 'tokens', 'envelope ' .. name .. ': token cap reached (max_tokens=' .. v[9] .. ')'
-  elseif left < hold then
-    hold = left
-  end
+if not why and left and left < hold then
+  why, detail = 'tokens', 'envelope ' .. name .. ': token cap reached (max_tokens=' .. v[9] ..
+    ', ' .. fmt(math.max(0, left)) .. ' left, this request holds ' .. fmt(hold) .. ')'
 end
 local used, spent, held = 0, 0, 0
 if not why and task then
@@ -52,14 +51,9 @@ if not why and task then
   if not prepaid and g[2] and used >= tonumber(g[2]) then
     why = 'max_calls'
     detail = 'task ' .. g[7] .. ': max_calls (' .. g[2] .. ') reached; refused model call'
-  elseif g[3] then
-    local task_left = tonumber(g[3]) - spent - held
-    if task_left <= 0 then
-      why = 'max_tokens'
-      detail = 'task ' .. g[7] .. ': max_tokens (' .. g[3] .. ') reached; refused model call'
-    elseif task_left < hold then
-      hold = task_left
-    end
+  elseif g[3] and tonumber(g[3]) - spent - held < hold then
+    why = 'max_tokens'
+    detail = 'task ' .. g[7] .. ': max_tokens (' .. g[3] .. ') reached; refused model call'
   end
 end
 if why then
