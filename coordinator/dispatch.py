@@ -31,6 +31,7 @@ from overnight.config.context import settings as current_settings
 from overnight.config.keys import Keys
 from overnight.coordinator.judge import expired, lost_step
 from overnight.coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop
+from overnight.coordinator.rerun import step_may_run
 from overnight.coordinator.states import QUEUED, RUNNING
 from overnight.coordinator.steps import StepRunner, supervised_runner
 from overnight.coordinator.taskstore import (
@@ -257,6 +258,8 @@ def recover(
             ended = None if started is None else expired(cp, spec, now, started + spec.deadline)
             nxt = ended or lost_step(cp, spec.on_unknown, settings.max_lost_leases)
             new, detail = nxt.state, nxt.detail
+            if new == QUEUED and step_may_run(client, keys, rec, settings.grace, now):
+                continue  # at most one live step per task: not while a lease of it may live
             attempt = rec.attempt + 1 if new == QUEUED else rec.attempt
             try:
                 store.orphan(rec, nxt, attempt)

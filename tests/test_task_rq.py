@@ -246,9 +246,17 @@ def test_worker_sigkilled_mid_step_is_retried(
 ) -> None:
     step_pid = _sigkill_mid_step(tenv, tmp_path, "retry", "retry", workers, r)
     try:
-        burst(tenv)
-        st = status(tenv, "retry")
-        assert (st["state"], st["lost_leases"], st["attempt"]) == ("finished_verified", 1, 2)
+        burst(tenv)  # the orphaned step's lease may still be alive: the task is not re-run
+        assert status(tenv, "retry")["state"] == "running"
+        kill_quietly(step_pid)  # as this host's reaper would, once the lease lapsed
+
+        def finished() -> dict[str, Any] | None:
+            burst(tenv)  # re-run once the lease lapsed plus the kill margin
+            st = status(tenv, "retry")
+            return st if st["state"] == "finished_verified" else None
+
+        st = wait_for(finished, timeout=30, interval=0.5)
+        assert (st["lost_leases"], st["attempt"]) == (1, 2)
     finally:
         kill_quietly(step_pid)
 

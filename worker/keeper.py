@@ -2,7 +2,8 @@
 
 It beats when a beat is owed (at most every ``min(0.25, gap/4)`` seconds), looks at the
 lease when it could have lapsed, rides out a Redis outage for up to the gap (fail closed
-after that), and says when the step must end and why (a :class:`worker.outcome.Outcome`).
+after that, and always before Redis could let the lease lapse: recovery may then run the
+task elsewhere), and says when the step must end and why (a :class:`worker.outcome.Outcome`).
 It never sleeps: :meth:`Keeper.next_wake` tells the supervisor's poll loop when to call
 :meth:`Keeper.tick` again.
 
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from overnight.worker import outcome
-from overnight.worker.clients import redis_errors
+from overnight.worker.clients import io_timeout, redis_errors
 from overnight.worker.gateway_grant import Seen
 from overnight.worker.lease import LeaseCorrupt, LeaseDoc, LeaseRefused, Leases, lapsed_reason
 from overnight.worker.outcome import Outcome
@@ -35,6 +36,8 @@ class Keeper:
     child may also beat through Redis itself (it holds the lease token), so a newer
     ``heartbeat_unix`` read back counts as progress, placed on the local clock and never
     later than the read; the deadline never moves. ``clock`` is the monotonic clock.
+    ``io_budget``: the longest one Redis call can block here (default: the supervisor
+    client's read timeout, then its one retry's connect and read).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class Keeper:
         now: float,
         redis_beats: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        io_budget: float | None = None,
     ) -> None:
         self.leases = leases
         self.doc = doc
@@ -62,6 +66,7 @@ class Keeper:
         self.min_interval = min(0.25, gap / 4)
         self.alive_interval = max(0.05, min(gap / 4, 10.0))
         self.retry_interval = max(0.02, min(0.1, gap / 10))
+        self.io_budget = 3 * io_timeout(gap) if io_budget is None else io_budget
         self._beat_pending = False
         self.last_beat = now  # our last beat written to Redis (or the acquire)
         self.beat_done = now  # when that write returned
@@ -101,6 +106,13 @@ class Keeper:
             return f"heartbeat-gap-{silent:.1f}s"
         return None
 
+    @property
+    def cut_off_at(self) -> float:
+        """While Redis is unreachable, when the step must be ended: early enough that a
+        call blocked for the whole io budget still leaves it before the liveness key could
+        lapse on the server, where recovery may run the task elsewhere."""
+        return self.lapse_at - self.io_budget
+
     def attach(self, pid: int, ticks: int | None) -> None:
         """Record the started child on the lease (and on the local copy of the document)."""
         self.doc.holder_pid, self.doc.pgid, self.doc.child_start_ticks = pid, pid, ticks
@@ -122,7 +134,7 @@ class Keeper:
         if self.beat_while_alive:
             wake = min(wake, self.last_beat + self.alive_interval)
         if self.unreachable_since is not None:
-            wake = min(wake, self.retry_at, self.unreachable_since + self.gap)
+            wake = min(wake, self.retry_at, self.unreachable_since + self.gap, self.cut_off_at)
         if self.gateway is not None:
             wake = min(wake, self.gateway_at)
         return wake
@@ -145,7 +157,7 @@ class Keeper:
             if reason is not None:
                 return self._lapsed_here(reason)
         if self.unreachable_since is not None:
-            if now - self.unreachable_since >= self.gap:
+            if now - self.unreachable_since >= self.gap or now >= self.cut_off_at:
                 return self._lost(f"Redis unreachable for {now - self.unreachable_since:.1f}s")
             if now < self.retry_at:
                 return None
