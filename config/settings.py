@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     allow_root_steps: bool = False
     # This host's id in leases, reaper heartbeats, receipts and proofs (unset: the host name).
     host_id: str | None = None
+    # overnight's own folder on this host: task worktrees, verifier checkouts, snapshots
+    # (unset: $XDG_STATE_HOME/overnight, else ~/.local/state/overnight). Never inside a task's tree.
+    state_dir: str | None = None
 
     @field_validator(*RULES, mode="before")
     @classmethod

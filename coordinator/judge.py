@@ -29,6 +29,20 @@ if TYPE_CHECKING:
 STUCK_TURNS = 3
 
 
+PROTECTED_RULE = "protected-paths"
+
+
+def protected_result(changed: list[str]) -> RuleResult:
+    """The synthetic rule a turn fails when its commit changed a protected path."""
+    names = ", ".join(changed)
+    evidence = (
+        f"this turn changed protected paths: {names}. The verifier ran on them as they were "
+        "at the base; change the code under test, not the checks."
+    )
+    return RuleResult(name=PROTECTED_RULE, passed=False, note="protected paths changed",
+                      tail=evidence)  # fmt: skip
+
+
 def step_name(spec: TaskSpec, step: int) -> str:
     """Step 0 is the agent; step i runs verifier rule i."""
     return "agent" if step == 0 else spec.verifier[step - 1].name
@@ -109,6 +123,8 @@ def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadl
         out.lease_id,
     )
     events = [finished]
+    if cp.step == 0 and cp.protected_changed:
+        cp.results.append(protected_result(cp.protected_changed))
     if cp.step == 0:
         cp.agent = AgentResult(
             exit_code=out.exit_code,
@@ -140,7 +156,8 @@ def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadl
         failed=[r.name for r in cp.results if not r.passed],
     )
     cp.last_verdict = verdict
-    events.append(Event("verdict", {**verdict.model_dump(), "ok": verdict.ok}))
+    checked = cp.checked.model_dump() if cp.checked is not None else {}
+    events.append(Event("verdict", {**verdict.model_dump(), "ok": verdict.ok, **checked}))
     if verdict.ok:
         cp.memory = None
         return Next(cp, State.FINISHED_VERIFIED, "every rule passed", tuple(events))

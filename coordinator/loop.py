@@ -15,19 +15,36 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
 
 from overnight.config.spawn import python_module
 from overnight.coordinator import model_step
-from overnight.coordinator.judge import begin, expired, judge, lost_step, refused, request_id
+from overnight.coordinator.judge import (
+    PROTECTED_RULE,
+    begin,
+    expired,
+    judge,
+    lost_step,
+    refused,
+    request_id,
+)
 from overnight.coordinator.states import PAUSED, RUNNING
-from overnight.coordinator.steps import StepRequest, StepRunner
+from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner
 from overnight.coordinator.taskfile import TaskSpec
-from overnight.coordinator.taskrecord import Checkpoint, Memory, Next, Runner, TaskRecord
+from overnight.coordinator.taskrecord import (
+    CheckedTree,
+    Checkpoint,
+    Memory,
+    Next,
+    Runner,
+    TaskRecord,
+)
+from overnight.coordinator.taskspace import TaskSpace, rule_argv, verifier_env
 from overnight.coordinator.taskstore import TaskRefused, TaskStore
+from overnight.coordinator.workspace import GitError
 from overnight.worker import stepuser
 from overnight.worker.stepuser import StepUser
 
@@ -60,6 +77,8 @@ class LoopConfig:
     claim_ttl: float = 15.0
     max_lost_leases: int = 3
     prompt_dir: Path = Path("/tmp/overnight")
+    # overnight's state folder: task worktrees, verifier checkouts (None: the setting's).
+    state_dir: Path | None = None
     # Who steps run as (owns the task's prompt folder): by default as the settings say.
     step_user: StepUser | None = field(default_factory=stepuser.configured)
     # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
@@ -71,6 +90,7 @@ def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
     parts = [f"Assignment:\n{spec.assignment.strip()}\n"]
     if memory is not None:
         runs = {rule.name: " ".join(rule.run) for rule in spec.verifier}
+        runs.setdefault(PROTECTED_RULE, "leave the protected paths as they were at the base")
         unmet = "\n".join(f"- {name}: `{runs.get(name, '?')}`" for name in memory.unmet)
         parts.append(f"These checks still fail; you are done only when they pass:\n{unmet}\n")
         how = f" ({memory.note})" if memory.note else ""
@@ -146,6 +166,7 @@ class TaskLoop:
         self.clock = ServerClock(0.0)
         self.token = uuid.uuid4().hex
         self.keeper: ClaimKeeper | None = None
+        self.space: TaskSpace | None = None
 
     def run(self, task_id: str, attempt: int, runner: Runner) -> str:
         """Claim the task and loop; returns the state it was left in (or why it was not run)."""
@@ -160,6 +181,8 @@ class TaskLoop:
             return self._loop(rec)
         finally:
             self.keeper.stop()
+            if self.space is not None:
+                self.space.close()
 
     # --- the loop ----------------------------------------------------------------------
     def _loop(self, rec: TaskRecord) -> str:
@@ -181,6 +204,11 @@ class TaskLoop:
             ended = expired(cp, spec, now, deadline)
             if ended is not None:
                 return self._write(rec, ended)
+            if cp.step == 0 and spec.base is not None:
+                try:  # the task's worktree, made before its first step is charged
+                    self._space(rec).agent_cwd(self.config.step_user)
+                except (GitError, OSError) as exc:
+                    return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             request = request_id(rec.id, rec.run, cp)
             started = begin(cp, spec, request, now)
             try:
@@ -191,7 +219,11 @@ class TaskLoop:
                 return self._write(rec, refused(cp, spec, exc.who, exc.detail))
             cp = started
             step_deadline = min(deadline - now, self._step_deadline(spec))
-            outcome = self.runner(self._request(rec, cp, step_deadline))
+            req = self._request(rec, cp, step_deadline)
+            try:
+                outcome, cp = self._run_step(rec, cp, req, request)
+            except (GitError, OSError) as exc:
+                return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline)
             state = self._write(rec, nxt)
             if state != RUNNING:
@@ -219,6 +251,56 @@ class TaskLoop:
             raise
         return begun.now
 
+    def _space(self, rec: TaskRecord) -> TaskSpace:
+        if self.space is None:
+            from overnight.coordinator.workspace import state_dir
+
+            state = self.config.state_dir or state_dir()
+            self.space = TaskSpace(rec, state, self.store.keys.namespace)
+        return self.space
+
+    def _run_step(
+        self, rec: TaskRecord, cp: Checkpoint, req: StepRequest, request: str
+    ) -> tuple[StepOutcome, Checkpoint]:
+        """Run a step in the task's workspace: an agent step in its worktree (locked while
+        it runs, committed after), a rule in a fresh checkout of the turn's commit with the
+        protected paths put back, as overnight's own user, with a fixed environment."""
+        if rec.spec.base is None:
+            return self.runner(req), cp
+        space = self._space(rec)
+        if cp.step == 0:
+            space.lock(request)
+            try:
+                out = self.runner(req)
+            finally:
+                space.unlock()
+            after = space.after_agent(cp.turn, f"{out.status} ({out.note}, exit {out.exit_code})")
+            tree = space.tree
+            cp = cp.model_copy(
+                update={
+                    "branch": tree.branch if tree is not None else None,
+                    "head": after.head,
+                    "diffstat": after.diffstat,
+                    "protected_changed": list(after.changed),
+                    "checked": None,
+                }
+            )
+            return out, cp
+        with space.verifier_tree(cp.head) as checked:
+            forbidden = [*space.forbidden(), checked.root]
+            req = replace(
+                req,
+                cwd=checked.cwd,
+                argv=rule_argv(req.argv, rec.spec.base, checked),
+                env=verifier_env(req.env, forbidden),
+                as_step_user=False,
+            )
+            out = self.runner(req)
+        seen = CheckedTree(
+            commit=checked.commit, snapshot=checked.snapshot, protected=checked.protected
+        )
+        return out, cp.model_copy(update={"checked": seen})
+
     def _step_deadline(self, spec: TaskSpec) -> float:
         return spec.step_deadline(self.config.default_deadline)
 
@@ -239,6 +321,9 @@ class TaskLoop:
                 self.config.grace,
                 beat_while_alive=True,
             )
+        cwd = spec.workdir
+        if spec.base is not None:
+            cwd = self._space(rec).agent_cwd(self.config.step_user)
         prompt = build_prompt(spec, cp.memory)
         # A folder of this task's own, which only the step user can enter (issue 14 §10).
         folder = stepuser.task_folder(self.config.prompt_dir, rec.id, self.config.step_user)
@@ -254,7 +339,7 @@ class TaskLoop:
             rec.id,
             "agent",
             argv,
-            spec.workdir,
+            cwd,
             env,
             deadline,
             gap,

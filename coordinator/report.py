@@ -47,7 +47,38 @@ def status_dict(rec: TaskRecord, claim_alive: bool, now: float | None = None) ->
         "ended_unix": rec.ended_unix,
         "updated_unix": rec.updated_unix,
         "elapsed_sec": round(elapsed(rec, now), 3),
+        **workspace_dict(rec),
     }
+
+
+def workspace_dict(rec: TaskRecord) -> dict[str, Any]:
+    """Where the task worked: ``base``, ``branch``, ``head`` and ``diffstat`` for a worktree
+    task, and the protected paths its last turn changed."""
+    base = rec.spec.base
+    cp = rec.checkpoint
+    return {
+        "workspace": base.mode if base is not None else None,
+        "base": base.sha if base is not None else None,
+        "branch": cp.branch,
+        "head": cp.head,
+        "diffstat": cp.diffstat,
+        "protected_changed": list(cp.protected_changed),
+    }
+
+
+def branch_text(rec: TaskRecord) -> str:
+    """The report's BRANCH cell: branch and diffstat, or that the task worked in place."""
+    base = rec.spec.base
+    cp = rec.checkpoint
+    if base is None:
+        return "-"
+    if base.mode != "worktree":
+        text = "in place (snapshot)" + (" in a git repository" if base.in_repo else "")
+    else:
+        text = f"{cp.branch or '-'}: {cp.diffstat or 'no changes'}"
+    if cp.protected_changed:
+        text += f"; PROTECTED CHANGED: {', '.join(cp.protected_changed)}"
+    return text
 
 
 def human_duration(seconds: float) -> str:
@@ -70,7 +101,7 @@ def verdict_text(rec: TaskRecord) -> str:
     return f"turn {verdict.turn}: failing {', '.join(verdict.failed)}"
 
 
-COLUMNS = ("TASK", "STATE", "CALLS", "TURNS", "TIME", "LAST VERDICT", "DETAIL")
+COLUMNS = ("TASK", "STATE", "CALLS", "TURNS", "TIME", "LAST VERDICT", "BRANCH", "DETAIL")
 STYLES = {
     State.FINISHED_VERIFIED: "green",
     State.HALTED_AT_CALL_CEILING: "yellow",
@@ -92,6 +123,7 @@ def rows(records: list[TaskRecord], now: float | None = None) -> list[tuple[str,
             str(rec.turns),
             human_duration(elapsed(rec, now)),
             verdict_text(rec),
+            branch_text(rec),
             rec.detail,
         )
         for rec in records

@@ -45,6 +45,7 @@ class StepRequest:
     grace: float
     beat_while_alive: bool = False
     stdin_data: bytes | None = field(default=None, repr=False)  # settings for the model step
+    as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             lease_file=None,
             task_id=req.task_id,
             stdin_data=req.stdin_data,
-            user=as_user,
+            user=as_user if req.as_step_user else None,
         )
         with alarm_ends_step() as alarm:
             result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from overnight.coordinator import workspace
+from overnight.coordinator.workspace import Base
 from overnight.worker.stepenv import declared_problem
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -77,6 +80,12 @@ class TaskSpec(BaseModel):
     verifier: list[Rule] = Field(min_length=1, max_length=100)
     # Variables the agent and every rule get on top of the allowlist (worker.stepenv).
     env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV)
+    # Where the task works (coordinator.workspace); unset: "worktree" in a git repository.
+    workspace: Literal["worktree", "in-place"] | None = None
+    # Globs (relative to the repository root) put back from the base before every verifier run.
+    protect: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
+    # Set at submit from the workdir (never from the file): the base the task works from.
+    base: Base | None = None
 
     @field_validator("id")
     @classmethod
@@ -140,6 +149,15 @@ class TaskSpec(BaseModel):
                 )
         return value
 
+    @field_validator("protect")
+    @classmethod
+    def _protect(cls, value: list[str]) -> list[str]:
+        for glob in value:
+            problem = workspace.glob_problem(glob)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+
     def step_deadline(self, default: float) -> float:
         return self.lease_seconds if self.lease_seconds is not None else default
 
@@ -193,8 +211,13 @@ def parse_text(text: str, *, json_format: bool) -> dict[str, Any]:
     return data
 
 
-def load(path: Path) -> TaskSpec:
-    """Load and validate one task file; raises :class:`TaskFileError`."""
+def load(
+    path: Path, state: Path | None = None, warn: Callable[[str], None] | None = None
+) -> TaskSpec:
+    """Load and validate one task file, and resolve its workspace (its base commit, or the
+    snapshot of its protected files, kept under ``state``: default, overnight's state
+    folder); raises :class:`TaskFileError`. ``warn`` gets the line about a repository's
+    uncommitted changes."""
     label = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -215,6 +238,8 @@ def load(path: Path) -> TaskSpec:
                 problems.append(f"{label}: workdir: no such directory: {workdir}")
         except OSError as exc:  # e.g. a name too long for the file system
             problems.append(f"{label}: workdir: unusable: {exc.strerror or exc}")
+    if "base" in data:
+        problems.append(f"{label}: base: unknown key")
     try:
         spec = TaskSpec.model_validate(data)
     except ValidationError as exc:
@@ -222,16 +247,33 @@ def load(path: Path) -> TaskSpec:
     if problems:
         raise TaskFileError(problems)
     assert workdir is not None
-    return spec.model_copy(update={"workdir": str(workdir)})
+    state = state or workspace.state_dir()
+    argvs = [rule.run for rule in spec.verifier]
+    got = workspace.resolve(workdir, spec.workspace, spec.protect, argvs, state)
+    if got.problems:
+        raise TaskFileError([f"{label}: {key}: {text}" for key, text in got.problems])
+    assert got.base is not None
+    if spec.id and got.base.mode == workspace.WORKTREE:
+        branch = workspace.branch_name(spec.id)
+        if workspace.branch_exists(got.base.root, branch):
+            why = (
+                f"branch {branch} already exists in {got.base.root}; a task branch is never reused"
+            )
+            raise TaskFileError([f"{label}: id: {why}"])
+    update = {"workdir": str(workdir), "workspace": got.base.mode, "base": got.base}
+    loaded = spec.model_copy(update=update)
+    if got.warning and warn is not None:
+        warn(f"{label}: warning: {got.warning}")
+    return loaded
 
 
-def load_all(paths: list[Path]) -> list[TaskSpec]:
+def load_all(paths: list[Path], warn: Callable[[str], None] | None = None) -> list[TaskSpec]:
     """Validate every file before returning any; duplicate ids within the batch are refused."""
     problems: list[str] = []
     specs: list[tuple[Path, TaskSpec]] = []
     for path in paths:
         try:
-            specs.append((path, load(path)))
+            specs.append((path, load(path, warn=warn)))
         except TaskFileError as exc:
             problems.extend(exc.problems)
     seen: dict[str, Path] = {}

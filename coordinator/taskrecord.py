@@ -83,6 +83,23 @@ class Checkpoint(BaseModel):
     fingerprint: str | None = None
     repeats: int = 0
     lost_leases: int = 0
+    # The task's branch (worktree mode), its commit after the last agent step, the branch's
+    # diffstat against the base, and the protected paths that commit changed (coordinator.
+    # taskspace); what the verifier checked in the current turn.
+    branch: str | None = None
+    head: str | None = None
+    diffstat: str = ""
+    protected_changed: list[str] = Field(default_factory=list)
+    checked: CheckedTree | None = None
+
+
+class CheckedTree(BaseModel):
+    """What the verifier checked in a turn: the commit (or the snapshot digest, outside git)
+    and the digest of each protected file put back from the base."""
+
+    commit: str | None = None
+    snapshot: str | None = None
+    protected: dict[str, str] = Field(default_factory=dict)
 
 
 class Runner(BaseModel):

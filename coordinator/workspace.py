@@ -1,0 +1,471 @@
+"""Where a task works: its own branch in its own git worktree, or a snapshot-protected folder.
+
+Two halves. Pure planning (what is protected, which globs are bad, what a commit message or a
+lock reason says) is tested as tables. A thin git runner does the rest: always an argv list
+through ``git`` with an explicit ``--git-dir``/``--work-tree`` where the agent's tree is
+involved (its ``.git`` file is the agent's to rewrite), hooks off, no system or global config,
+overnight's own identity for its commits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WORKTREE: Literal["worktree"] = "worktree"
+IN_PLACE: Literal["in-place"] = "in-place"
+Mode = Literal["worktree", "in-place"]
+ALWAYS_PROTECTED_NAMES = frozenset(
+    {"conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py"}
+)
+ALWAYS_PROTECTED_SUFFIXES = (".pth",)
+BRANCH_PREFIX = "overnight/"
+IDENTITY = ("overnight", "overnight@localhost")
+GIT_TIMEOUT = 300.0
+# Config that would run a program or sign with a key: off for every git call overnight makes.
+HARDENING = (
+    "core.hooksPath=/dev/null",
+    "core.fsmonitor=false",
+    "commit.gpgSign=false",
+    "tag.gpgSign=false",
+    "core.pager=cat",
+    "protocol.file.allow=never",
+)
+
+
+class Base(BaseModel):
+    """What a task's workspace was at submit; recorded in the task, never read from its file.
+
+    ``root`` is the repository root (or the workdir, outside git); ``subdir`` the workdir
+    relative to it. ``sha`` is the base commit (worktree mode). ``named`` are the files
+    (relative to ``root``) a verifier's argv names. ``snapshot`` maps each protected file to
+    its sha256 at submit (in-place mode), whose bytes are in ``snapshot_dir``.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    mode: Mode
+    root: str
+    subdir: str = ""
+    in_repo: bool = False
+    sha: str | None = None
+    named: tuple[str, ...] = ()
+    snapshot: dict[str, str] = Field(default_factory=dict)
+    snapshot_dir: str | None = None
+
+
+# --- pure planning ----------------------------------------------------------------------------
+
+
+@cache
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A protect glob as a regex over '/'-separated paths: ``**`` spans folders (and none),
+    ``*`` and ``?`` stay within one; a glob naming a folder covers what is under it."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(f"{out}(?:/.*)?")
+
+
+def glob_problem(pattern: str) -> str | None:
+    """Why a protect glob is unusable (empty, absolute, or reaching out with '..'), or None."""
+    if not pattern.strip() or "\x00" in pattern:
+        return "must be a non-empty glob"
+    if pattern.startswith("/"):
+        return f"{pattern!r} must be relative to the repository root"
+    if ".." in PurePosixPath(pattern).parts:
+        return f"{pattern!r} escapes the repository"
+    return None
+
+
+def always_protected(path: str) -> bool:
+    name = PurePosixPath(path).name
+    return name in ALWAYS_PROTECTED_NAMES or name.endswith(ALWAYS_PROTECTED_SUFFIXES)
+
+
+def is_protected(path: str, globs: Sequence[str], named: Iterable[str] = ()) -> bool:
+    """True for a path (relative to the root) the verifier must see as it was at the base."""
+    if always_protected(path) or path in set(named):
+        return True
+    return any(glob_regex(g.rstrip("/")).fullmatch(path) for g in globs)
+
+
+def protected_of(paths: Iterable[str], globs: Sequence[str], named: Iterable[str]) -> list[str]:
+    named = frozenset(named)
+    return sorted(p for p in paths if is_protected(p, globs, named))
+
+
+def unmatched_globs(globs: Sequence[str], files: Iterable[str]) -> list[str]:
+    """The globs that match none of ``files``."""
+    files = list(files)
+    return [g for g in globs if not any(glob_regex(g.rstrip("/")).fullmatch(f) for f in files)]
+
+
+def named_files(
+    argvs: Iterable[Sequence[str]], root: str, subdir: str, files: set[str]
+) -> list[str]:
+    """The files (relative to ``root``) among ``files`` that an argv names, as a path
+    relative to the workdir ``root/subdir`` or absolute inside ``root``."""
+    out: set[str] = set()
+    for argv in argvs:
+        for arg in argv:
+            if not arg or arg.startswith("-") or "\x00" in arg:
+                continue
+            if os.path.isabs(arg):
+                rel = os.path.relpath(os.path.normpath(arg), root)
+            else:
+                rel = os.path.normpath(os.path.join(subdir, arg))
+            rel = rel.replace(os.sep, "/")
+            if rel in files:
+                out.add(rel)
+    return sorted(out)
+
+
+def branch_name(task_id: str) -> str:
+    return f"{BRANCH_PREFIX}{task_id}"
+
+
+def lock_reason(task_id: str, host: str, lease: str) -> str:
+    return f"task {task_id} host {host} lease {lease}"
+
+
+def commit_message(task_id: str, turn: int, outcome: str) -> str:
+    """The subject and body of overnight's commit after an agent step."""
+    subject = f"overnight: task {task_id} turn {turn}: agent step {outcome}"
+    return f"{subject}\n\nTask: {task_id}\nTurn: {turn}\nOutcome: {outcome}\n"
+
+
+def clean_path(path: str, forbidden: Iterable[str]) -> str:
+    """The worker's PATH without relative entries and without any inside ``forbidden``
+    folders (the task's tree): what a verifier run gets."""
+    roots = [os.path.realpath(f) for f in forbidden]
+    kept = []
+    for entry in path.split(os.pathsep):
+        if not entry or not os.path.isabs(entry):
+            continue
+        real = os.path.realpath(entry)
+        if any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+            continue
+        kept.append(entry)
+    return os.pathsep.join(kept)
+
+
+# --- the git runner ---------------------------------------------------------------------------
+
+
+class GitError(Exception):
+    """A git command failed; the message is its first line of stderr."""
+
+
+def _git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_TERMINAL_PROMPT="0",
+        LC_ALL="C",
+        GIT_AUTHOR_NAME=IDENTITY[0],
+        GIT_AUTHOR_EMAIL=IDENTITY[1],
+        GIT_COMMITTER_NAME=IDENTITY[0],
+        GIT_COMMITTER_EMAIL=IDENTITY[1],
+    )
+    return env
+
+
+@dataclass(frozen=True)
+class Where:
+    """A git call about a tree named explicitly (not found through its ``.git`` file)."""
+
+    git_dir: str
+    work_tree: str
+    index: str | None = None
+
+
+def git(*args: str, cwd: str | None = None, at: Where | None = None, check: bool = True) -> str:
+    """Run ``git ARGS`` (argv, never a shell); returns stdout. Raises :class:`GitError`."""
+    argv = ["git"]
+    for item in HARDENING:
+        argv += ["-c", item]
+    if cwd is not None:
+        argv += ["-C", cwd]
+    env = _git_env()
+    if at is not None:
+        argv += [f"--git-dir={at.git_dir}", f"--work-tree={at.work_tree}"]
+        if at.index is not None:
+            env["GIT_INDEX_FILE"] = at.index
+    proc = subprocess.run(
+        [*argv, *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=GIT_TIMEOUT,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise GitError(f"git {args[0] if args else ''}: {err[0] if err else proc.returncode}")
+    return proc.stdout.decode("utf-8", "surrogateescape")
+
+
+def repo_root(path: str) -> str | None:
+    """The root of the git repository ``path`` is in (None outside one, or without git)."""
+    try:
+        out = git("rev-parse", "--show-toplevel", cwd=path, check=True)
+    except (GitError, OSError):
+        return None
+    return out.strip() or None
+
+
+def head(root: str) -> str | None:
+    """The commit HEAD names (None in a repository with no commit)."""
+    out = git("rev-parse", "--verify", "--quiet", "HEAD^{commit}", cwd=root, check=False)
+    return out.strip() or None
+
+
+def dirty(root: str) -> bool:
+    """True if the tree has uncommitted changes (untracked, non-ignored files count)."""
+    return bool(git("status", "--porcelain", "--untracked-files=normal", cwd=root).strip())
+
+
+def common_dir(root: str) -> str:
+    out = git("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=root)
+    return out.strip()
+
+
+def tree_files(root: str, sha: str) -> list[str]:
+    out = git("ls-tree", "-r", "-z", "--name-only", sha, cwd=root)
+    return [p for p in out.split("\0") if p]
+
+
+def branch_exists(root: str, branch: str) -> bool:
+    ref = f"refs/heads/{branch}"
+    return bool(git("rev-parse", "--verify", "--quiet", ref, cwd=root, check=False).strip())
+
+
+def changed(root: str, a: str, b: str) -> list[str]:
+    """Paths that differ between commits ``a`` and ``b`` (added, deleted, changed)."""
+    out = git("diff", "--no-renames", "--name-only", "-z", f"{a}..{b}", cwd=root)
+    return [p for p in out.split("\0") if p]
+
+
+def diff(root: str, a: str, b: str) -> str:
+    return git("diff", "--no-ext-diff", "--no-color", f"{a}..{b}", cwd=root)
+
+
+def diffstat(root: str, a: str, b: str) -> str:
+    """``git diff --stat``'s summary line (e.g. '2 files changed, 3 insertions(+)'), or ''."""
+    out = git("diff", "--no-ext-diff", "--shortstat", f"{a}..{b}", cwd=root)
+    return out.strip()
+
+
+def rev(root: str, name: str) -> str | None:
+    out = git("rev-parse", "--verify", "--quiet", f"{name}^{{commit}}", cwd=root, check=False)
+    return out.strip() or None
+
+
+# --- a task's worktree ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Worktree:
+    """A task's worktree: the repository it belongs to, its folder, its admin folder."""
+
+    root: str
+    path: str
+    git_dir: str
+    branch: str
+
+
+def worktree_path(state_dir: Path, namespace: str, task_id: str, run: str) -> Path:
+    return state_dir / "worktrees" / namespace / f"{task_id}-{run}"
+
+
+def _admin_dir(root: str, path: str) -> str | None:
+    """The admin folder of the worktree at ``path``, found from the repository's side (the
+    worktree's own ``.git`` file is the agent's to rewrite)."""
+    admin = Path(common_dir(root)) / "worktrees"
+    want = os.path.realpath(os.path.join(path, ".git"))
+    if not admin.is_dir():
+        return None
+    for entry in admin.iterdir():
+        try:
+            text = (entry / "gitdir").read_text().strip()
+        except OSError:
+            continue
+        if os.path.realpath(text) == want:
+            return str(entry)
+    return None
+
+
+def open_worktree(root: str, base_sha: str, branch: str, path: Path) -> Worktree:
+    """The task's worktree at ``path``: made on a new branch from ``base_sha`` the first
+    time, found again after a worker died. Raises :class:`GitError` if the branch exists
+    but this worktree does not (a branch is never reused)."""
+    if not path.exists():
+        if branch_exists(root, branch):
+            raise GitError(f"branch {branch} already exists; a task branch is never reused")
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        git("worktree", "add", "-b", branch, str(path), base_sha, cwd=root)
+    admin = _admin_dir(root, str(path))
+    if admin is None:
+        raise GitError(f"{path} is not a worktree of {root}")
+    return Worktree(root, str(path), admin, branch)
+
+
+def lock(wt: Worktree, reason: str) -> None:
+    git("worktree", "unlock", wt.path, cwd=wt.root, check=False)
+    git("worktree", "lock", "--reason", reason, wt.path, cwd=wt.root)
+
+
+def unlock(wt: Worktree) -> None:
+    git("worktree", "unlock", wt.path, cwd=wt.root, check=False)
+
+
+def commit_step(wt: Worktree, message: str) -> str:
+    """Commit what the tree holds now on the task's branch (ignored files stay out, the
+    agent's own commits stay in); returns the new commit."""
+    where = Where(wt.git_dir, wt.path)
+    ref = f"refs/heads/{wt.branch}"
+    git("symbolic-ref", "HEAD", ref, at=where)  # an agent that switched branch is brought back
+    git("add", "-A", "--", ".", cwd=wt.path, at=where)
+    git("commit", "--quiet", "--allow-empty", "--no-verify", "-m", message, cwd=wt.path, at=where)
+    sha = git("rev-parse", "--verify", ref, at=where).strip()
+    return sha
+
+
+@dataclass(frozen=True)
+class ListedWorktree:
+    path: str
+    head: str
+    branch: str
+    locked: bool
+
+
+def list_worktrees(root: str) -> list[ListedWorktree]:
+    out = git("worktree", "list", "--porcelain", "-z", cwd=root)
+    items: list[ListedWorktree] = []
+    fields: dict[str, str] = {}
+    for token in [*out.split("\0"), ""]:
+        if token:
+            key, _, value = token.partition(" ")
+            fields[key] = value
+            continue
+        if "worktree" in fields:
+            branch = fields.get("branch", "").removeprefix("refs/heads/")
+            items.append(
+                ListedWorktree(
+                    fields["worktree"], fields.get("HEAD", ""), branch, "locked" in fields
+                )
+            )
+        fields = {}
+    return items
+
+
+def remove_worktree(root: str, path: str) -> None:
+    """Remove a worktree that is not locked and holds no uncommitted change (its branch
+    stays); raises :class:`GitError` otherwise."""
+    git("worktree", "remove", path, cwd=root)
+
+
+# --- submit -----------------------------------------------------------------------------------
+
+
+def state_dir() -> Path:
+    """overnight's own folder on this host (the ``state_dir`` setting, else the XDG one)."""
+    from overnight.config.context import settings
+
+    configured = settings().state_dir
+    if configured:
+        return Path(configured).expanduser().resolve()
+    if os.geteuid() == 0:  # a step user must be able to reach its worktree
+        return Path("/var/lib/overnight")
+    xdg = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return (Path(xdg) / "overnight").resolve()
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What :func:`resolve` made of a task's workspace: the base, or problems as (key, text)
+    pairs, and a warning for the person submitting."""
+
+    base: Base | None
+    problems: tuple[tuple[str, str], ...] = ()
+    warning: str = ""
+
+
+def resolve(
+    workdir: Path,
+    mode: Mode | None,
+    globs: Sequence[str],
+    argvs: Sequence[Sequence[str]],
+    state: Path,
+) -> Resolved:
+    """The base of a task whose workdir is ``workdir``: its repository and HEAD commit in
+    worktree mode (the default in a repository), a snapshot of the protected files otherwise."""
+    from overnight.coordinator import checkout
+
+    problems = [("protect", p) for g in globs if (p := glob_problem(g)) is not None]
+    root = repo_root(str(workdir))
+    mode = mode or (WORKTREE if root is not None else IN_PLACE)
+    top = Path(root) if root is not None else workdir
+    if state == top or top in state.parents:
+        problems.append(("workspace", f"overnight's state folder {state} is inside {top}"))
+    if mode == WORKTREE and root is None:
+        text = f'"worktree" needs a git repository; {workdir} is not in one'
+        return Resolved(None, (*problems, ("workspace", text)))
+    subdir = os.path.relpath(workdir, top).replace(os.sep, "/")
+    subdir = "" if subdir == "." else subdir
+    warning = ""
+    if mode == WORKTREE:
+        assert root is not None
+        sha = head(root)
+        if sha is None:
+            return Resolved(
+                None, (*problems, ("workspace", f"the repository {root} has no commit"))
+            )
+        files = tree_files(root, sha)
+        if dirty(root):
+            warning = (
+                f"{root} has uncommitted changes; they are not part of the task's base {sha[:12]}"
+            )
+    else:
+        files = list(checkout.walk_files(top))
+    if not problems:
+        problems += [
+            ("protect", f"{g!r} matches no file in {top}") for g in unmatched_globs(globs, files)
+        ]
+    if problems:
+        return Resolved(None, tuple(problems))
+    named = tuple(named_files(argvs, str(top), subdir, set(files)))
+    if mode == WORKTREE:
+        base = Base(mode=mode, root=str(top), subdir=subdir, in_repo=True, sha=sha, named=named)
+        return Resolved(base, warning=warning)
+    store = state / "snapshots"
+    snap = checkout.take_snapshot(top, globs, named, store)
+    base = Base(
+        mode=mode,
+        root=str(top),
+        subdir=subdir,
+        in_repo=root is not None,
+        named=named,
+        snapshot=snap,
+        snapshot_dir=str(store),
+    )
+    return Resolved(base)

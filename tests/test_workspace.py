@@ -1,0 +1,390 @@
+"""Issue 12: each task works on its own branch; the verifier checks a pinned commit.
+
+Real git repositories in tmp folders (identity in the repo's own config), the real loop with
+plain subprocess steps, a private redis-server for the record. Every tampering an agent
+could try to pass the checks without fixing the bug fails to reach finished_verified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+
+from overnight.config.keys import Keys
+from overnight.coordinator import workspace
+from overnight.coordinator.judge import PROTECTED_RULE
+from overnight.coordinator.loop import LoopConfig, TaskLoop
+from overnight.coordinator.report import status_dict
+from overnight.coordinator.steps import plain_runner
+from overnight.coordinator.taskfile import TaskFileError, load
+from overnight.coordinator.taskstore import Runner, TaskRecord, TaskStore
+from overnight.worker import receipts
+from tests.helpers import wait_for
+
+PY = sys.executable
+BUGGY = "def add(a, b):\n    return a - b\n"
+FIXED = "def add(a, b):\n    return a + b\n"
+TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+CHECK = "from calc import add\nraise SystemExit(0 if add(2, 3) == 5 else 1)\n"
+
+
+def sh(cwd: Path, *argv: str) -> str:
+    return subprocess.run(
+        ["git", *argv], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def make_repo(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    sh(folder, "init", "-q", "-b", "main")
+    sh(folder, "config", "user.name", "Tester")
+    sh(folder, "config", "user.email", "tester@example.invalid")
+    (folder / "calc.py").write_text(BUGGY)
+    (folder / "check.py").write_text(CHECK)
+    (folder / "tests").mkdir()
+    (folder / "tests" / "test_calc.py").write_text(TEST)
+    (folder / ".gitignore").write_text("__pycache__/\n*.pyc\nbuild/\n")
+    sh(folder, "add", "-A")
+    sh(folder, "commit", "-q", "-m", "base")
+    return folder
+
+
+def task_toml(folder: Path, agent: str, *, name: str = "task", **extra: object) -> Path:
+    """A task file (JSON, same keys as TOML) for ``folder`` whose agent runs ``agent``."""
+    path = folder.parent / f"{name}.json"
+    data = {
+        "assignment": "fix add in calc.py",
+        "workdir": folder.name,
+        "agent": [PY, "-c", agent],
+        "max_calls": 9,
+        "protect": ["tests/**"],
+        "env": {"PATH": "bin:" + os.environ.get("PATH", "")},
+        "verifier": [
+            {"name": "check", "run": ["python3", "check.py"]},
+            {"name": "tests", "run": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]},
+        ],
+        **extra,
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def run(r: redis.Redis, namespace: str, tmp_path: Path, path: Path) -> TaskRecord:
+    state = tmp_path / "state"
+    spec = load(path, state)
+    store = TaskStore(r, Keys(namespace))
+    [rec] = store.create([spec], queue="q")
+    config = LoopConfig(
+        claim_ttl=5, prompt_dir=tmp_path / "prompts", state_dir=state, step_user=None
+    )
+    TaskLoop(store, plain_runner, lambda *_: None, config).run(rec.id, 1, Runner(worker="t"))
+    got = store.get(rec.id)
+    assert got is not None
+    return got
+
+
+# --- pure tables ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "globs", "named", "protected"),
+    [
+        ("tests/test_a.py", ["tests/**"], [], True),
+        ("tests/deep/x/test_a.py", ["tests/**"], [], True),
+        ("src/tests/test_a.py", ["tests/**"], [], False),
+        ("src/tests/test_a.py", ["**/tests/*.py"], [], True),
+        ("src/conftest.py", [], [], True),
+        ("pytest.ini", [], [], True),
+        ("lib/site/evil.pth", [], [], True),
+        ("a/sitecustomize.py", [], [], True),
+        ("usercustomize.py", [], [], True),
+        ("check.py", [], ["check.py"], True),
+        ("calc.py", ["tests/**"], ["check.py"], False),
+        ("docs", ["docs/"], [], True),
+        ("docs/a/b.md", ["docs"], [], True),
+        ("docsy/a.md", ["docs"], [], False),
+        ("a.py", ["?.py"], [], True),
+        ("ab.py", ["?.py"], [], False),
+    ],
+)
+def test_is_protected(path: str, globs: list[str], named: list[str], protected: bool) -> None:
+    assert workspace.is_protected(path, globs, named) is protected
+
+
+@pytest.mark.parametrize(
+    ("glob", "bad"),
+    [("tests/**", False), ("../x", True), ("/etc/passwd", True), ("a/../../b", True), ("", True)],
+)
+def test_glob_problem(glob: str, bad: bool) -> None:
+    assert (workspace.glob_problem(glob) is not None) is bad
+
+
+@pytest.mark.parametrize(
+    ("argv", "subdir", "named"),
+    [
+        (["python3", "check.py"], "", ["check.py"]),
+        (["python3", "check.py"], "sub", ["sub/check.py"]),
+        (["./run.sh", "-x", "tests"], "", ["run.sh"]),
+        (["python3", "/r/check.py"], "sub", ["check.py"]),
+        (["python3", "../check.py"], "sub", ["check.py"]),
+        (["python3", "nothere.py"], "", []),
+    ],
+)
+def test_named_files(argv: list[str], subdir: str, named: list[str]) -> None:
+    files = {"check.py", "sub/check.py", "run.sh"}
+    assert workspace.named_files([argv], "/r", subdir, files) == named
+
+
+def test_clean_path_drops_relative_and_task_folders(tmp_path: Path) -> None:
+    inside = tmp_path / "tree" / "bin"
+    inside.mkdir(parents=True)
+    path = os.pathsep.join(["bin", "", ".", str(inside), "/usr/bin", "/bin"])
+    assert workspace.clean_path(path, [str(tmp_path / "tree")]) == "/usr/bin:/bin"
+
+
+def test_commit_message_and_lock_reason() -> None:
+    assert workspace.commit_message("t1", 2, "done").startswith("overnight: task t1 turn 2:")
+    assert workspace.lock_reason("t1", "h", "l") == "task t1 host h lease l"
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_workspace_input_is_one_line_each(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("a")
+    path = task_toml(plain, "pass", workspace="worktree")
+    with pytest.raises(TaskFileError) as info:
+        load(path, tmp_path / "state")
+    assert info.value.problems == [
+        f'{path}: workspace: "worktree" needs a git repository; {plain} is not in one'
+    ]
+    repo = make_repo(tmp_path / "repo")
+    for glob, word in (("nothing/**", "matches no file"), ("../up", "escapes")):
+        bad = task_toml(repo, "pass", name="bad").read_text().replace('"tests/**"', f'"{glob}"')
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(TaskFileError) as info:
+            load(tmp_path / "bad.json", tmp_path / "state")
+        [line] = info.value.problems
+        assert line.startswith(f"{tmp_path / 'bad.json'}: protect") and word in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sh(empty, "init", "-q")
+    with pytest.raises(TaskFileError) as info:
+        load(task_toml(empty, "pass", name="empty"), tmp_path / "s")
+    assert any("has no commit" in p for p in info.value.problems)
+
+
+def test_uncommitted_changes_warn_in_one_line(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    (repo / "calc.py").write_text(FIXED)
+    said: list[str] = []
+    spec = load(task_toml(repo, "pass"), tmp_path / "state", warn=said.append)
+    assert spec.base is not None and spec.base.sha == sh(repo, "rev-parse", "HEAD").strip()
+    [line] = said
+    assert "uncommitted changes" in line and "\n" not in line
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+FIX = "import pathlib; pathlib.Path('calc.py').write_text('def add(a, b):\\n    return a + b\\n')"
+TAMPERS = {
+    "edit-the-test": (
+        "import pathlib;"
+        "pathlib.Path('tests/test_calc.py').write_text('def test_add():\\n    pass\\n')"
+    ),
+    "conftest-passes-failures": (
+        "import pathlib; pathlib.Path('tests/conftest.py').write_text("
+        "'import pytest\\n@pytest.hookimpl(hookwrapper=True)\\n"
+        "def pytest_runtest_makereport(item, call):\\n    o = yield\\n"
+        '    r = o.get_result()\\n    r.outcome = "passed"\\n\');'
+        "pathlib.Path('check.py').write_text('raise SystemExit(0)\\n')"
+    ),
+    "conftest-sys-exit": (
+        "import pathlib; pathlib.Path('conftest.py').write_text('import os\\nos._exit(0)\\n');"
+        "pathlib.Path('check.py').write_text('import sys\\nsys.exit(0)\\n')"
+    ),
+    "delete-the-tests": "import os; os.remove('tests/test_calc.py'); open('check.py','w').close()",
+    "skip-the-tests": (
+        "import pathlib; p = pathlib.Path('tests/test_calc.py');"
+        "p.write_text('import pytest\\npytestmark = pytest.mark.skip\\n' + p.read_text())"
+    ),
+    "path-shim": (
+        "import os, pathlib; pathlib.Path('bin').mkdir(exist_ok=True);"
+        "s = pathlib.Path('bin/python3'); s.write_text('#!/bin/sh\\nexit 0\\n');"
+        "os.chmod(s, 0o755);"
+        "pathlib.Path('tests/test_calc.py').unlink()"
+    ),
+    "background-rewriter": (
+        "import subprocess, sys, os; os.makedirs('build', exist_ok=True);"
+        "code = 'import time, pathlib\\ntime.sleep(1.5)\\nfor _ in range(400):\\n"
+        '    pathlib.Path("calc.py").write_text("def add(a, b):\\\\n    return a + b\\\\n")\\n'
+        "    time.sleep(0.02)\\n';"
+        "p = subprocess.Popen([sys.executable, '-c', code], start_new_session=True,"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL);"
+        "open('build/pid', 'w').write(str(p.pid))"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERS))
+def test_a_tampering_never_reaches_finished_verified(
+    r: redis.Redis, namespace: str, tmp_path: Path, name: str
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    path = task_toml(repo, TAMPERS[name])
+    if name == "background-rewriter":  # one turn: the rewriter runs while its rules do
+        path.write_text(path.read_text().replace('"max_calls": 9', '"max_calls": 3'))
+    rec = run(r, namespace, tmp_path, path)
+    try:
+        assert rec.state != "finished_verified", rec.detail
+        verdict = rec.checkpoint.last_verdict
+        assert verdict is not None and verdict.failed
+        if name != "background-rewriter":
+            assert PROTECTED_RULE in verdict.failed
+            assert rec.checkpoint.protected_changed
+        assert rec.checkpoint.branch == f"overnight/{rec.id}"
+    finally:
+        tree = workspace.worktree_path(tmp_path / "state", namespace, rec.id, rec.run)
+        pid_file = tree / "build" / "pid"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            os.kill(pid, signal.SIGKILL)
+    # The user's own tree is untouched: the agent worked on its branch.
+    assert (repo / "calc.py").read_text() == BUGGY and sh(repo, "status", "--porcelain") == ""
+
+
+def test_a_genuine_fix_is_verified_on_its_branch(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    rec = run(r, namespace, tmp_path, task_toml(repo, FIX))
+    assert rec.state == "finished_verified", (rec.detail, rec.checkpoint.last_verdict)
+    base = rec.spec.base
+    assert base is not None and base.sha is not None
+    branch = f"overnight/{rec.id}"
+    assert rec.checkpoint.head == sh(repo, "rev-parse", branch).strip()
+    assert sh(repo, "show", f"{branch}:calc.py") == FIXED
+    assert (repo / "calc.py").read_text() == BUGGY  # the user's tree is not the task's
+    log = sh(repo, "log", "--format=%s", f"{base.sha}..{branch}").splitlines()
+    assert log == [f"overnight: task {rec.id} turn 1: agent step done (worker-complete, exit 0)"]
+    # Receipts say what was checked.
+    [verdict] = [
+        rc for rc in receipts.read(r, Keys(namespace), task_id=rec.id) if rc.kind == "verdict"
+    ]
+    assert verdict.data["commit"] == rec.checkpoint.head
+    assert set(verdict.data["protected"]) == {"check.py", "tests/test_calc.py"}
+    # Status, diff and the report's diffstat agree with git.
+    status = status_dict(rec, claim_alive=False)
+    assert (status["base"], status["branch"], status["head"]) == (
+        base.sha,
+        branch,
+        rec.checkpoint.head,
+    )
+    want = sh(repo, "diff", "--shortstat", f"{base.sha}..{branch}").strip()
+    assert status["diffstat"] == want == rec.checkpoint.diffstat
+    assert workspace.diff(base.root, base.sha, branch) == sh(repo, "diff", f"{base.sha}..{branch}")
+
+
+def test_an_agent_commit_is_kept_and_ignored_junk_stays_out(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    agent = (
+        FIX + "; import subprocess, os; os.makedirs('build', exist_ok=True);"
+        "open('build/junk.o', 'w').write('x');"
+        "subprocess.run(['git', '-c', 'user.name=a', '-c', 'user.email=a@b',"
+        " 'commit', '-qam', 'agent fix'], check=True)"
+    )
+    rec = run(r, namespace, tmp_path, task_toml(repo, agent))
+    assert rec.state == "finished_verified", rec.detail
+    branch = f"overnight/{rec.id}"
+    subjects = sh(repo, "log", "--format=%s", f"main..{branch}").splitlines()
+    assert subjects[1] == "agent fix" and subjects[0].startswith("overnight: task")
+    assert "build/junk.o" not in sh(repo, "ls-tree", "-r", "--name-only", branch)
+
+
+def test_two_tasks_on_one_repository_work_apart(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    agents = {
+        "one": FIX
+        + "; open('one.txt','w').write('1'); import os; assert not os.path.exists('two.txt')",
+        "two": FIX
+        + "; open('two.txt','w').write('2'); import os; assert not os.path.exists('one.txt')",
+    }
+    state = tmp_path / "state"
+    store = TaskStore(r, Keys(namespace))
+    specs = [load(task_toml(repo, a, name=n, id=n), state) for n, a in agents.items()]
+    records = store.create(specs, queue="q")
+    results: dict[str, str] = {}
+    barrier = threading.Barrier(2)
+
+    def work(rec: TaskRecord) -> None:
+        config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "p", state_dir=state, step_user=None)
+        barrier.wait(10)
+        loop = TaskLoop(store, plain_runner, lambda *_: None, config)
+        results[rec.id] = loop.run(rec.id, 1, Runner(worker=f"w-{rec.id}"))
+
+    threads = [threading.Thread(target=work, args=(rec,)) for rec in records]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {"one": "finished_verified", "two": "finished_verified"}
+    for mine, other in (("one", "two"), ("two", "one")):
+        files = sh(repo, "ls-tree", "-r", "--name-only", f"overnight/{mine}").split()
+        assert f"{mine}.txt" in files and f"{other}.txt" not in files
+        log = sh(repo, "log", "--format=%s", f"main..overnight/{mine}")
+        assert f"overnight: task {mine} turn 1" in log
+
+
+def test_a_plain_folder_gets_snapshot_protection(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "calc.py").write_text(BUGGY)
+    (folder / "check.py").write_text(CHECK)
+    (folder / "tests").mkdir()
+    (folder / "tests" / "test_calc.py").write_text(TEST)
+    rec = run(r, namespace, tmp_path, task_toml(folder, TAMPERS["conftest-passes-failures"]))
+    assert rec.spec.base is not None and rec.spec.base.mode == "in-place"
+    assert set(rec.spec.base.snapshot) == {"check.py", "tests/test_calc.py"}
+    assert rec.state != "finished_verified"
+    verdict = rec.checkpoint.last_verdict
+    assert verdict is not None and PROTECTED_RULE in verdict.failed
+    assert rec.checkpoint.checked is not None and rec.checkpoint.checked.snapshot
+    # Then a genuine fix in a plain folder does pass.
+    (folder / "tests" / "conftest.py").unlink()
+    (folder / "check.py").write_text(CHECK)
+    good = run(r, namespace, tmp_path, task_toml(folder, FIX, name="good"))
+    assert good.state == "finished_verified", (good.detail, good.checkpoint.last_verdict)
+
+
+def test_prune_removes_ended_worktrees_only(r: redis.Redis, namespace: str, tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    rec = run(r, namespace, tmp_path, task_toml(repo, FIX))
+    tree = workspace.worktree_path(tmp_path / "state", namespace, rec.id, rec.run)
+    assert tree.is_dir()
+    from overnight.coordinator.taskspace import prune
+
+    store = TaskStore(r, Keys(namespace))
+    (tree / "scratch.txt").write_text("uncommitted")
+    kept = prune(store, tmp_path / "state")
+    assert tree.is_dir() and any("uncommitted" in line for line in kept)
+    (tree / "scratch.txt").unlink()
+    said = prune(store, tmp_path / "state")
+    assert not tree.exists(), said
+    assert workspace.branch_exists(str(repo), f"overnight/{rec.id}")
+    wait_for(lambda: not tree.exists(), 1)
