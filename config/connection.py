@@ -27,3 +27,11 @@ def connect(
         decode_responses=decode_responses,
         retry_on_timeout=False,
     )
+
+
+def describe(settings: Settings) -> str:
+    """Which Redis and namespace ``settings`` name, password masked: the first line every
+    long-running command prints ("Redis redis://:****@host:6379/0, namespace 'overnight'")."""
+    from overnight.config.validate import mask_url
+
+    return f"Redis {mask_url(settings.redis_url)}, namespace {settings.namespace!r}"

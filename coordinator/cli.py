@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("coordinator.cli_tasks:status_command", "Print a task's state as JSON."),
     "reconcile": ("coordinator.cli_tasks:reconcile_command", "Resume or abort a paused task."),
     "receipts": ("coordinator.cli_tasks:receipts_command", "Print receipts as JSON lines."),
+    "logs": ("coordinator.cli_tasks:logs_command", "Print what a task's steps printed."),
     "report": ("coordinator.cli_tasks:report_command", "The morning view of every task."),
     "coordinator": ("coordinator.cli_up:coordinator_command", "Run the coordinator process."),
     "up": ("coordinator.cli_up:up_command", "Run the whole system on this machine."),

@@ -1,4 +1,4 @@
-"""Task commands: submit, worker, status, reconcile, receipts, report. Parsing only; the logic
+"""Task commands: submit, worker, status, reconcile, receipts, logs, report. Parsing only; the logic
 lives in taskfile, taskstore, dispatch and report, imported when a command runs."""
 
 from __future__ import annotations
@@ -151,12 +151,14 @@ def worker_command(
 
     import redis
 
+    from overnight.config.connection import describe
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
     from overnight.coordinator.dispatch import OvernightWorker
     from overnight.worker.stepuser import configured
 
     configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
+    click.echo(f"overnight worker: {describe(settings())}", err=True)
     names = [q for item in queues for q in item.split(",") if q] or [settings().queue]
     for q in names:
         if not NAME_RE.match(q):
@@ -314,6 +316,37 @@ def receipts_command(task_id: str | None, follow: bool) -> None:
         return
     for rc in receipts.read(client, keys, task_id=task_id):
         click.echo(rc.to_json())
+
+
+@click.command("logs")
+@click.argument("task_id")
+@click.option("--turn", type=click.IntRange(min=1), metavar="N", help="Only turn N's steps.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the task has settled.")
+def logs_command(task_id: str, turn: int | None, follow: bool) -> None:
+    """Print what the task's steps printed (agent and rules), each under a header line.
+
+    The whole output of every step is kept on the host of the worker that ran it, under
+    OVERNIGHT_STATE_DIR/task-logs/<namespace>/<task>/ (up to 8 MiB a step); control
+    characters are shown escaped. With --follow, waits for new output until the task has
+    ended or paused.
+    """
+    from overnight.config.context import settings
+    from overnight.coordinator.logs import print_logs, task_folder, task_log_root
+    from overnight.coordinator.states import SETTLED
+
+    store = _store()
+    rec = _record(store, task_id)
+    folder = task_folder(rec, task_log_root(settings(), store.keys.namespace))
+
+    def settled() -> bool:
+        now = store.get(task_id)
+        return now is None or now.state in SETTLED
+
+    printed = print_logs(folder, sys.stdout, turn=turn, follow=follow, settled=settled)
+    if not printed:
+        which = f"turn {turn} of " if turn is not None else ""
+        click.echo(f"overnight logs: no step output of {which}task {task_id!r} in {folder}",
+                   err=True)  # fmt: skip
 
 
 @click.command("report")

@@ -134,9 +134,12 @@ def coordinator_command(
     every --interval: ends leases of hosts whose reaper is gone and recovers tasks whose
     worker died or whose deadline passed. SIGTERM exits 0.
     """
+    from overnight.config.connection import describe
+    from overnight.config.context import settings
     from overnight.coordinator.control import run_coordinator
 
     for folder in tasks:
         if not folder.exists():
             raise CommandError(f"--tasks {folder}: no such file or folder", EXIT_USAGE)
+    click.echo(f"overnight coordinator: {describe(settings())}", err=True)
     sys.exit(run_coordinator(list(tasks), interval, exit_when_done=exit_when_done, once=once))

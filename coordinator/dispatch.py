@@ -30,6 +30,7 @@ from rq.job import Job, JobStatus
 from overnight.config.context import settings as current_settings
 from overnight.config.keys import Keys
 from overnight.coordinator.judge import expired, lost_step
+from overnight.coordinator.logs import task_log_root
 from overnight.coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop
 from overnight.coordinator.rerun import step_may_run
 from overnight.coordinator.states import QUEUED, RUNNING
@@ -138,6 +139,7 @@ def loop_config(settings: Settings, namespace: str) -> LoopConfig:
         claim_ttl=settings.task_claim_ttl,
         max_lost_leases=settings.max_lost_leases,
         prompt_dir=Path(_TMP) / "overnight" / namespace,
+        log_dir=task_log_root(settings, namespace),
     )
 
 
@@ -158,8 +160,25 @@ def envelope_consume(client: redis.Redis, namespace: str, task_id: str, ttl: int
     return consume
 
 
+class TaskNotVerified(Exception):
+    """What the RQ job of a task that did not end finished_verified raises, so that RQ marks
+    the job failed (``rq info``, rq-dashboard, the FailedJobRegistry) with the task's state
+    and detail as the reason, instead of listing it with the verified ones as finished."""
+
+
+def job_failure(task_id: str, state: str, detail: str) -> str | None:
+    """The reason an attempt's RQ job fails, or None if it finished: it did when its task
+    ended finished_verified, or when it ran nothing (``skipped:…``, another attempt owns
+    the task); any other end (halted, paused, expired, aborted, agent_failed, queued
+    again, its claim lost) fails it."""
+    if state == "finished_verified" or state.startswith("skipped:"):
+        return None
+    return f"task {task_id}: {state}" + (f": {detail}" if detail else "")
+
+
 def perform_task(namespace: str, task_id: str, attempt: int) -> str:
-    """The RQ job: run one attempt of a task; returns the state it was left in."""
+    """The RQ job: run one attempt of a task; returns the state it was left in, finished
+    only if that is finished_verified (else raises :class:`TaskNotVerified`)."""
     from rq import get_current_job
     from rq.timeouts import JobTimeoutException
 
@@ -188,7 +207,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
         job_id=job.id if job else "",
     )
     try:
-        return loop.run(task_id, attempt, who)
+        state = loop.run(task_id, attempt, who)
     except JobTimeoutException:
         # RQ's timeout (the task's deadline plus a margin) fired: a step in flight has
         # already been ended through its lease. Hand the task to recovery now, not once
@@ -202,6 +221,19 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
             for line in lines:
                 log.warning("task %s: RQ job timeout; recovery: %s", task_id, line)
         raise
+    reason = job_failure(task_id, state, _detail(loop.store, task_id) if state != "lost" else
+                         "its claim was lost; recovery decides what it becomes")  # fmt: skip
+    if reason is not None:
+        raise TaskNotVerified(reason)
+    return state
+
+
+def _detail(store: TaskStore, task_id: str) -> str:
+    try:
+        rec = store.get(task_id)
+    except (TaskCorrupt, redis.RedisError):
+        return ""
+    return rec.detail if rec is not None else ""
 
 
 def _job_gone(rq_conn: redis.Redis, job_id: str) -> bool:

@@ -8,6 +8,8 @@ no processes: the loop and recovery ask here and write what they are told.
 from __future__ import annotations
 
 import hashlib
+import re
+import signal
 from typing import TYPE_CHECKING
 
 from overnight.coordinator.states import PAUSED, QUEUED, State
@@ -19,6 +21,7 @@ from overnight.coordinator.taskrecord import (
     Memory,
     Next,
     RuleResult,
+    StepLog,
     Verdict,
 )
 
@@ -27,6 +30,59 @@ if TYPE_CHECKING:
     from overnight.coordinator.taskfile import TaskSpec
 
 STUCK_TURNS = 3
+# How many steps' tails, and how many unclean lease endings, a task's record keeps.
+KEEP_STEPS = 8
+KEEP_ENDINGS = 20
+# An agent that exits so could not be started (as a shell says: 127 not found, 126 not runnable).
+CANNOT_START = (126, 127)
+
+
+def _signame(number: str) -> str:
+    try:
+        return signal.Signals(int(number)).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def ending(turn: int, name: str, rule: bool, status: str, note: str, limit: float) -> str:
+    """How a step's lease ended, in words, when that was not a clean exit of the step's own
+    (done, or an exit code): "turn 1 agent killed: heartbeat gap 2.0 s", "turn 2 rule tests
+    timed out after 20 s". A clean exit gives ""."""
+    what = f"turn {turn} {'rule ' if rule else ''}{name}"
+    if status == "done":
+        return ""
+    exit_code = re.fullmatch(r"worker-exit-(\d+)", note)
+    if exit_code:
+        code = int(exit_code.group(1))
+        return f"{what} could not start (exit {code})" if not rule and code in CANNOT_START else ""
+    gap = re.fullmatch(r"heartbeat-gap-([\d.]+)s", note)
+    if gap:
+        return f"{what} killed: heartbeat gap {gap.group(1)} s"
+    if note == "budget-exceeded":
+        return f"{what} timed out after {limit:g} s"
+    by_signal = re.fullmatch(r"(worker|supervisor)-signal-(\d+)", note)
+    if by_signal and by_signal.group(1) == "worker":
+        return f"{what} killed by {_signame(by_signal.group(2))}"
+    if by_signal:
+        return f"{what} stopped: its supervisor got {_signame(by_signal.group(2))}"
+    if note == "lease-lost":
+        return f"{what} killed: lease lost (Redis unreachable longer than the gap)"
+    return f"{what} {status or 'ended'}: {note or 'no note'}"
+
+
+def agent_failed(cp: Checkpoint, command: str, why: str) -> Next:
+    """The agent command cannot be started: the task ends at once, naming it."""
+    detail = f"{why}; the agent command {command!r} could not start"
+    event = Event("agent_failed", {"turn": cp.turn, "command": command, "detail": detail})
+    out = cp.model_copy(deep=True)
+    out.in_flight = None
+    return Next(out, State.AGENT_FAILED, detail, (event,))
+
+
+def _kept(cp: Checkpoint, entry: StepLog) -> None:
+    cp.steps = [*cp.steps, entry][-KEEP_STEPS:]
+    if entry.ending:
+        cp.endings = [*cp.endings, entry.ending][-KEEP_ENDINGS:]
 
 
 PROTECTED_RULE = "protected-paths"
@@ -99,30 +155,39 @@ def lost_step(cp: Checkpoint, on_unknown: str, cap: int) -> Next:
     return Next(out, QUEUED, f"retrying the {what} after its worker died")
 
 
-def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadline: float) -> Next:
+def judge(
+    cp: Checkpoint,
+    spec: TaskSpec,
+    out: StepOutcome,
+    *,
+    now: float,
+    deadline: float,
+    log: str = "",
+) -> Next:
     """What the step ``cp`` names, ended as ``out`` at ``now``, makes of the task.
 
     ``deadline`` is the task's own (its first start plus ``spec.deadline``). A step cut
     short by it expires the task; the last rule of a turn gives the verdict: every rule
     passed (finished_verified), the same agent output and verdict ``STUCK_TURNS`` turns
-    running (halted_stuck), or the next turn with the unmet rules in memory.
+    running (halted_stuck), or the next turn with the unmet rules in memory. An agent
+    that could not start (exit 126/127) ends the task as agent_failed. ``log`` is the
+    file that holds the step's whole output.
     """
     cp = cp.model_copy(deep=True)
     cp.in_flight = None
     name = step_name(spec, cp.step)
-    finished = Event(
-        "step_finished",
-        {
-            "step": name,
-            "turn": cp.turn,
-            "exit_code": out.exit_code,
-            "status": out.status,
-            "note": out.note,
-            "digest": out.digest,
-        },
-        out.lease_id,
-    )
-    events = [finished]
+    said = ending(cp.turn, name, cp.step > 0, out.status, out.note, out.limit)
+    data = {"step": name, "turn": cp.turn, "exit_code": out.exit_code, "status": out.status,
+            "note": out.note, "digest": out.digest}  # fmt: skip
+    if said:
+        data["ending"] = said
+    events = [Event("step_finished", data, out.lease_id)]
+    _kept(cp, StepLog(turn=cp.turn, name=name, exit_code=out.exit_code, status=out.status,
+                      note=out.note, ending=said, tail=out.tail, log=log))  # fmt: skip
+    if cp.step == 0 and out.exit_code in CANNOT_START and out.note.startswith("worker-exit-"):
+        command = spec.agent[0] if spec.agent else "the built-in model step"
+        failed = agent_failed(cp, command, f"exit {out.exit_code}")
+        return Next(failed.checkpoint, failed.state, failed.detail, (*events, *failed.events))
     if cp.step == 0 and cp.protected_changed:
         cp.results.append(protected_result(cp.protected_changed))
     if cp.step == 0:
@@ -149,7 +214,7 @@ def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadl
         return Next(cp, State.EXPIRED, detail, tuple(events))
     cp.step += 1
     if cp.step <= len(spec.verifier):
-        return Next(cp, events=tuple(events))
+        return Next(cp, detail=said, events=tuple(events))
     verdict = Verdict(
         turn=cp.turn,
         passed=[r.name for r in cp.results if r.passed],
@@ -162,7 +227,10 @@ def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadl
         cp.memory = None
         return Next(cp, State.FINISHED_VERIFIED, "every rule passed", tuple(events))
     first = next(r for r in cp.results if not r.passed)
-    cp.memory = Memory(unmet=verdict.failed, rule=first.name, note=first.note, evidence=first.tail)
+    first_said = next((s.ending for s in reversed(cp.steps) if s.turn == cp.turn
+                       and s.name == first.name and s.ending), "")  # fmt: skip
+    cp.memory = Memory(unmet=verdict.failed, rule=first.name, note=first_said or first.note,
+                       evidence=first.tail)  # fmt: skip
     agent_digest = cp.agent.digest if cp.agent else ""
     fingerprint = hashlib.sha256(f"{agent_digest}|{verdict.failed}".encode()).hexdigest()[:32]
     cp.repeats = cp.repeats + 1 if fingerprint == cp.fingerprint else 1
@@ -172,4 +240,4 @@ def judge(cp: Checkpoint, spec: TaskSpec, out: StepOutcome, *, now: float, deadl
         events.append(Event("task_stuck", {"turn": cp.turn, "detail": detail}))
         return Next(cp, State.HALTED_STUCK, detail, tuple(events))
     cp.turn, cp.step, cp.agent, cp.results = cp.turn + 1, 0, None, []
-    return Next(cp, events=tuple(events))
+    return Next(cp, detail=said, events=tuple(events))

@@ -11,6 +11,7 @@ renews it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from overnight.config.spawn import python_module
 from overnight.coordinator import model_step
 from overnight.coordinator.judge import (
     PROTECTED_RULE,
+    agent_failed,
     begin,
     expired,
     judge,
@@ -31,8 +33,8 @@ from overnight.coordinator.judge import (
     refused,
     request_id,
 )
-from overnight.coordinator.states import PAUSED, RUNNING
-from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner
+from overnight.coordinator.states import PAUSED, RUNNING, State
+from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner, start_problem
 from overnight.coordinator.taskfile import TaskSpec
 from overnight.coordinator.taskrecord import (
     CheckedTree,
@@ -45,7 +47,7 @@ from overnight.coordinator.taskrecord import (
 from overnight.coordinator.taskspace import TaskSpace, rule_argv, verifier_env
 from overnight.coordinator.taskstore import TaskRefused, TaskStore
 from overnight.coordinator.workspace import GitError
-from overnight.worker import stepuser
+from overnight.worker import stepenv, stepuser
 from overnight.worker.stepuser import StepUser
 
 log = logging.getLogger("overnight.loop")
@@ -77,6 +79,8 @@ class LoopConfig:
     claim_ttl: float = 15.0
     max_lost_leases: int = 3
     prompt_dir: Path = Path("/tmp/overnight")
+    # Each task's step output is kept under log_dir/<task id>/ (None: not kept on disk).
+    log_dir: Path | None = None
     # overnight's state folder: task worktrees, verifier checkouts (None: the setting's).
     state_dir: Path | None = None
     # Who steps run as (owns the task's prompt folder): by default as the settings say.
@@ -209,6 +213,10 @@ class TaskLoop:
                     self._space(rec).agent_cwd(self.config.step_user)
                 except (GitError, OSError) as exc:
                     return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
+            unstartable = self._unstartable(spec) if cp.step == 0 else None
+            if unstartable is not None:  # ends the task before its call is charged
+                return self._write(rec, agent_failed(cp, spec.agent[0] if spec.agent else "",
+                                                     unstartable))  # fmt: skip
             request = request_id(rec.id, rec.run, cp)
             started = begin(cp, spec, request, now)
             try:
@@ -224,7 +232,10 @@ class TaskLoop:
                 outcome, cp = self._run_step(rec, cp, req, request)
             except (GitError, OSError) as exc:
                 return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
-            nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline)
+            log_file = str(req.log_path) if req.log_path is not None else ""
+            nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline, log=log_file)
+            if nxt.state == State.AGENT_FAILED:
+                self._uncharge(rec, request)
             state = self._write(rec, nxt)
             if state != RUNNING:
                 return state
@@ -301,6 +312,25 @@ class TaskLoop:
         )
         return out, cp.model_copy(update={"checked": seen})
 
+    def _unstartable(self, spec: TaskSpec) -> str | None:
+        if not spec.agent:
+            return None
+        path = spec.env.get("PATH") or os.environ.get("PATH") or stepenv.DEFAULT_PATH
+        return start_problem(spec.agent, spec.workdir, path)
+
+    def _uncharge(self, rec: TaskRecord, request: str) -> None:
+        """An agent that could not start used no call of the task's own."""
+        try:
+            self.store.uncharge(rec.id, self.token, request)
+        except (TaskRefused, redis.RedisError) as exc:
+            log.warning("task %s: could not give back the call of %s: %s", rec.id, request, exc)
+
+    def _log_path(self, rec: TaskRecord, cp: Checkpoint, name: str) -> Path | None:
+        if self.config.log_dir is None:
+            return None
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        return self.config.log_dir / rec.id / f"turn-{cp.turn:03d}-step-{cp.step:02d}-{safe}.log"
+
     def _step_deadline(self, spec: TaskSpec) -> float:
         return spec.step_deadline(self.config.default_deadline)
 
@@ -320,6 +350,7 @@ class TaskLoop:
                 gap,
                 self.config.grace,
                 beat_while_alive=True,
+                log_path=self._log_path(rec, cp, rule.name),
             )
         cwd = spec.workdir
         if spec.base is not None:
@@ -345,6 +376,7 @@ class TaskLoop:
             gap,
             self.config.grace,
             stdin_data=stdin,
+            log_path=self._log_path(rec, cp, "agent"),
         )
 
     def _write(self, rec: TaskRecord, nxt: Next) -> str:

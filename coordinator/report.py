@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from overnight.coordinator.states import State
 from overnight.coordinator.taskstore import TaskRecord
+from overnight.coordinator.text import printable
 
 
 def elapsed(rec: TaskRecord, now: float | None = None) -> float:
@@ -115,19 +116,30 @@ STYLES = {
 
 
 def rows(records: list[TaskRecord], now: float | None = None) -> list[tuple[str, ...]]:
+    """One row of cells per task, every cell escaped (:func:`text.printable`): ids, details
+    and verdicts come from task files and agents."""
     return [
-        (
-            rec.id,
-            rec.state,
-            f"{rec.calls_used}/{rec.spec.max_calls}",
-            str(rec.turns),
-            human_duration(elapsed(rec, now)),
-            verdict_text(rec),
-            branch_text(rec),
-            rec.detail,
+        tuple(
+            printable(cell)
+            for cell in (
+                rec.id,
+                rec.state,
+                f"{rec.calls_used}/{rec.spec.max_calls}",
+                str(rec.turns),
+                human_duration(elapsed(rec, now)),
+                verdict_text(rec),
+                branch_text(rec),
+                rec.detail,
+            )
         )
         for rec in records
     ]
+
+
+def ending_lines(rec: TaskRecord) -> list[str]:
+    """The task's lease endings that were not clean exits ("turn 1 agent killed: heartbeat
+    gap 2.0 s"), escaped, oldest first."""
+    return [printable(e) for e in rec.checkpoint.endings]
 
 
 def summary(records: list[TaskRecord]) -> str:
@@ -156,25 +168,33 @@ def render_plain(records: list[TaskRecord], out: TextIO, footer: list[str]) -> N
     """Aligned plain text, one line per task (for pipes and logs)."""
     table = [COLUMNS, *rows(records)]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS) - 1)]
-    for row in table:
+    endings = [[], *(ending_lines(rec) for rec in records)]
+    for row, ended in zip(table, endings, strict=True):
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.write("  ".join([*cells, row[-1]]).rstrip() + "\n")
+        for line in ended:
+            out.write(f"  {'':{widths[0]}}{line}\n")
     for line in [summary(records), *footer]:
-        out.write(line + "\n")
+        out.write(printable(line) + "\n")
 
 
 def render_rich(records: list[TaskRecord], footer: list[str]) -> None:
     """A rich table for a terminal."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="overnight report", title_justify="left")
     for name in COLUMNS:
         table.add_column(name, overflow="fold", no_wrap=name in ("TASK", "STATE"))
     for rec, row in zip(records, rows(records), strict=True):
         style = STYLES.get(rec.state, "")
-        table.add_row(row[0], f"[{style}]{row[1]}[/]" if style else row[1], *row[2:])
+        # Text cells: markup in a task's text ("[red]") is shown, not obeyed.
+        detail = Text(row[-1])
+        for line in ending_lines(rec):
+            detail.append("\n" + line, style="red")
+        table.add_row(Text(row[0]), Text(row[1], style=style), *map(Text, row[2:-1]), detail)
     console = Console()
     console.print(table)
     for line in [summary(records), *footer]:
-        console.print(line, highlight=False)
+        console.print(Text(printable(line)), highlight=False)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 from overnight.worker.signals import SignalCatcher
 from overnight.worker.stepenv import step_environment
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 
 TAIL_LINES = 40
 TAIL_BYTES = 4000
+# The most of one step's output its log file keeps; past it, one line says what was dropped.
+LOG_CAP_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class StepRequest:
     grace: float
     beat_while_alive: bool = False
     stdin_data: bytes | None = field(default=None, repr=False)  # settings for the model step
+    log_path: Path | None = None  # where the step's whole output is kept (up to LOG_CAP_BYTES)
     as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
 
 
@@ -58,6 +63,7 @@ class StepOutcome:
     lease_id: str | None
     tail: str
     digest: str
+    limit: float = 0.0  # the step's own deadline, in seconds
 
     @property
     def passed(self) -> bool:
@@ -70,14 +76,36 @@ class OutputCapture:
 
     max_lines: int = TAIL_LINES
     max_bytes: int = TAIL_BYTES
+    log: IO[bytes] | None = None  # the whole output goes here too, up to log_cap bytes
+    log_cap: int = LOG_CAP_BYTES
     _lines: deque[bytes] = field(default_factory=deque)
     _hash: hashlib._Hash = field(default_factory=hashlib.sha256)
+    _logged: int = 0
+    _dropped: int = 0
 
     def __call__(self, line: bytes) -> None:
-        self._hash.update(line if line.endswith(b"\n") else line + b"\n")
+        whole = line if line.endswith(b"\n") else line + b"\n"
+        self._hash.update(whole)
         self._lines.append(line.rstrip(b"\r\n")[: self.max_bytes])
         while len(self._lines) > self.max_lines:
             self._lines.popleft()
+        if self.log is not None:
+            if self._logged + len(whole) <= self.log_cap:
+                self.log.write(whole)
+                self._logged += len(whole)
+            else:
+                self._dropped += len(whole)
+
+    def close(self) -> None:
+        """Finish the log file (saying how much was dropped past its cap) and close it."""
+        if self.log is None:
+            return
+        if self._dropped:
+            cap = self.log_cap
+            self.log.write(f"[overnight: output capped at {cap} bytes; "
+                           f"{self._dropped} more bytes dropped]\n".encode())  # fmt: skip
+        self.log.close()
+        self.log = None
 
     def tail(self) -> str:
         text = b"\n".join(self._lines).decode("utf-8", "replace")
@@ -92,6 +120,37 @@ class OutputCapture:
 StepRunner = Callable[[StepRequest], StepOutcome]
 
 
+def open_capture(req: StepRequest) -> OutputCapture:
+    """A capture for ``req``, writing its log file when the request names one (a log that
+    cannot be opened costs the log, not the step)."""
+    if req.log_path is None:
+        return OutputCapture()
+    try:
+        req.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fh = open(req.log_path, "ab")  # noqa: SIM115 - closed by OutputCapture.close
+    except OSError:
+        return OutputCapture()
+    return OutputCapture(log=fh)
+
+
+def start_problem(argv: list[str], cwd: str, path: str | None) -> str | None:
+    """Why ``argv`` cannot be started in ``cwd`` with ``PATH`` = ``path`` (None: it can).
+    A command with a slash is looked up from ``cwd``; a bare name on ``path``."""
+    if not argv or not argv[0]:
+        return "the agent command is empty"
+    cmd = argv[0]
+    if "/" in cmd:
+        where = Path(cwd, cmd)
+        if not where.exists():
+            return f"agent command {cmd!r} does not exist"
+        if where.is_dir() or not os.access(where, os.X_OK):
+            return f"agent command {cmd!r} is not executable"
+        return None
+    if shutil.which(cmd, path=path if path is not None else os.defpath) is None:
+        return f"agent command {cmd!r} was not found on PATH"
+    return None
+
+
 def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = None) -> StepRunner:
     """Run each step under a lease, in this process (``worker.supervisor``), as ``user``
     (default: the step user the settings name, :func:`worker.stepuser.configured`; agent
@@ -99,7 +158,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
     as_user = user if user is not None else configured()
 
     def run(req: StepRequest) -> StepOutcome:
-        capture = OutputCapture()
+        capture = open_capture(req)
         spec = StepSpec(
             argv=req.argv,
             deadline=req.deadline,
@@ -115,8 +174,11 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             stdin_data=req.stdin_data,
             user=as_user if req.as_step_user else None,
         )
-        with alarm_ends_step() as alarm:
-            result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)
+        try:
+            with alarm_ends_step() as alarm:
+                result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)
+        finally:
+            capture.close()
         doc = result.doc
         return StepOutcome(
             exit_code=result.exit_code,
@@ -125,6 +187,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             lease_id=doc.lease_id,
             tail=capture.tail(),
             digest=capture.digest(result.exit_code),
+            limit=req.deadline,
         )
 
     return run
@@ -157,7 +220,15 @@ def alarm_ends_step() -> Iterator[SignalCatcher | None]:
 
 def plain_runner(req: StepRequest) -> StepOutcome:
     """Run a step as a plain subprocess with only its deadline (no lease): for tests."""
-    capture = OutputCapture()
+    capture = open_capture(req)
+    try:
+        return _plain(req, capture)
+    finally:
+        capture.close()
+
+
+def _plain(req: StepRequest, capture: OutputCapture) -> StepOutcome:
+    limit = req.deadline
     env = step_environment(os.environ, req.env, lease_id=None, task_id=req.task_id)
     env.setdefault("HOME", os.environ.get("HOME", "/"))
     try:
@@ -175,14 +246,15 @@ def plain_runner(req: StepRequest) -> StepOutcome:
     except subprocess.TimeoutExpired as exc:
         for line in (exc.output or b"").splitlines():
             capture(line)
-        return StepOutcome(2, "expired", "budget-exceeded", None, capture.tail(), capture.digest(2))
+        tail, digest = capture.tail(), capture.digest(2)
+        return StepOutcome(2, "expired", "budget-exceeded", None, tail, digest, limit)
     except OSError as exc:
         capture(f"cannot start {req.argv[0]!r}: {exc.strerror or exc}".encode())
-        return StepOutcome(
-            127, "killed", "worker-exit-127", None, capture.tail(), capture.digest(127)
-        )
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        tail, digest = capture.tail(), capture.digest(code)
+        return StepOutcome(code, "killed", f"worker-exit-{code}", None, tail, digest, limit)
     for line in proc.stdout.splitlines():
         capture(line)
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     status, note = ("done", "worker-complete") if code == 0 else ("killed", f"worker-exit-{code}")
-    return StepOutcome(code, status, note, None, capture.tail(), capture.digest(code))
+    return StepOutcome(code, status, note, None, capture.tail(), capture.digest(code), limit)

@@ -38,6 +38,20 @@ class AgentResult(BaseModel):
     tail: str = ""
 
 
+class StepLog(BaseModel):
+    """One step as kept in the record for the last turns: how it ended and its output tail
+    (the whole output is in ``log``, a file on the host that ran it)."""
+
+    turn: int
+    name: str
+    exit_code: int | None = None
+    status: str = ""
+    note: str = ""
+    ending: str = ""  # how its lease ended when that was not a clean exit, in words
+    tail: str = ""
+    log: str = ""
+
+
 class Verdict(BaseModel):
     """The verifier's answer for one turn."""
 
@@ -83,6 +97,8 @@ class Checkpoint(BaseModel):
     fingerprint: str | None = None
     repeats: int = 0
     lost_leases: int = 0
+    steps: list[StepLog] = Field(default_factory=list)  # the last few steps, newest last
+    endings: list[str] = Field(default_factory=list)  # lease endings that were not clean exits
     # The task's branch (worktree mode), its commit after the last agent step, the branch's
     # diffstat against the base, and the protected paths that commit changed (coordinator.
     # taskspace); what the verifier checked in the current turn.

@@ -79,19 +79,6 @@ def _lock_state_dir(state_dir: Path) -> TextIO:
     return fh
 
 
-def _reachable(url: str) -> bool:
-    import redis
-
-    try:
-        return bool(
-            redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5).ping()
-        )
-    except (redis.ConnectionError, redis.TimeoutError):
-        return False
-    except redis.RedisError:
-        return True  # it answered (e.g. NOAUTH): not ours to replace
-
-
 def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> Lock:
     """Take the namespace's ``up`` lock (redis-py's ``Lock``, holding ``me``) or refuse."""
     from redis.lock import Lock
@@ -148,6 +135,7 @@ def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> lis
                 lease_age=None if doc is None else now - doc.started_unix,
                 beat_age=None if doc is None else now - doc.heartbeat_unix,
                 verdict=text,
+                endings=tuple(rec.checkpoint.endings),
             )
         )
     return out
@@ -164,8 +152,8 @@ class UpResult:
 def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     """Run the stack until Ctrl-C/SIGTERM (or, with ``exit_when_done``, until every task of
     this run has ended or paused). Nothing it started outlives it."""
-    from overnight.config.connection import connect
-    from overnight.config.settings import load_settings, mask_url
+    from overnight.config.connection import connect, describe
+    from overnight.config.settings import load_settings
     from overnight.worker.stepuser import decide
 
     stopper = StopRequested()
@@ -178,18 +166,20 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     set_child_subreaper()
     stack = Stack(env=dict(os.environ), state_dir=opts.state_dir, grace=settings.grace)
     try:
-        if opts.embedded or (
-            "redis_url" not in settings.model_fields_set and not _reachable(settings.redis_url)
-        ):
+        # OVERNIGHT_REDIS_URL (environment or .env) or a private one: never a server that
+        # merely answers on the default address, which may be anyone's.
+        if opts.embedded or "redis_url" not in settings.model_fields_set:
             url = stack.start_redis()
-            why = "as asked" if opts.embedded else f"nothing answered at {settings.redis_url}"
-            print(
-                f"overnight: started a private redis-server at {mask_url(url)} ({why}); "
-                f"data and log in {opts.state_dir / 'redis'}",
-                file=sys.stderr,
-            )
             os.environ["OVERNIGHT_REDIS_URL"] = url
             settings = load_settings(redis_url=url)
+            where = f"started a private redis-server, data and log in {opts.state_dir / 'redis'}"
+        else:
+            where = "OVERNIGHT_REDIS_URL"
+        print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
+        if not settings.state_dir:  # the members keep task logs and worktrees in --state-dir
+            os.environ["OVERNIGHT_STATE_DIR"] = str(opts.state_dir.resolve())
+            stack.env["OVERNIGHT_STATE_DIR"] = os.environ["OVERNIGHT_STATE_DIR"]
+            settings = load_settings(redis_url=settings.redis_url)
         return _run(opts, settings, stack, stopper, connect, out)
     finally:
         leftovers = stack.stop()

@@ -46,12 +46,14 @@ def reaper_command(
     """
     import redis
 
+    from overnight.config.connection import describe
     from overnight.config.context import redis_client, settings
     from overnight.config.keys import Keys
     from overnight.config.settings import mask_url
     from overnight.worker import procs, reaper
 
     cfg = settings()
+    click.echo(f"overnight reaper: {describe(cfg)}", err=True)
     debug = bool((ctx.obj or {}).get("debug"))
     logging.basicConfig(
         stream=sys.stderr,

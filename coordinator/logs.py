@@ -1,0 +1,96 @@
+"""Where each task's step output is kept, and ``overnight logs TASK`` that prints it.
+
+A worker writes every step's whole output (up to ``steps.LOG_CAP_BYTES``) to one file,
+``OVERNIGHT_STATE_DIR/task-logs/<namespace>/<task id>/turn-NNN-step-NN-<name>.log``, on its own
+host; the task's record keeps the last steps' tails and their log paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from overnight.coordinator.text import printable
+
+if TYPE_CHECKING:
+    from overnight.config.settings import Settings
+    from overnight.coordinator.taskrecord import TaskRecord
+
+_NAME = re.compile(r"turn-(\d+)-step-(\d+)-(.*)\.log")
+FOLLOW_POLL = 0.5
+
+
+def task_log_root(settings: Settings, namespace: str) -> Path:
+    """The folder under which this host keeps the step logs of ``namespace``'s tasks: in
+    OVERNIGHT_STATE_DIR (``up`` sets it to its ``--state-dir``), else the XDG state folder."""
+    if settings.state_dir:
+        base = Path(settings.state_dir).expanduser()
+    else:
+        xdg = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        base = Path(xdg) / "overnight"
+    return base.resolve() / "task-logs" / namespace
+
+
+def task_folder(rec: TaskRecord, root: Path) -> Path:
+    """Where ``rec``'s step logs are: beside the last log its record names (the folder of
+    the worker that ran it), else under ``root``."""
+    for step in reversed(rec.checkpoint.steps):
+        if step.log:
+            return Path(step.log).parent
+    return root / rec.id
+
+
+def step_files(folder: Path, turn: int | None = None) -> list[tuple[int, int, str, Path]]:
+    """The step logs in ``folder`` as (turn, step, name, path), in the order they ran."""
+    found = []
+    if folder.is_dir():
+        for path in folder.iterdir():
+            m = _NAME.fullmatch(path.name)
+            if m and (turn is None or int(m.group(1)) == turn):
+                found.append((int(m.group(1)), int(m.group(2)), m.group(3), path))
+    return sorted(found)
+
+
+def _header(turn: int, name: str, path: Path) -> str:
+    return f"==> turn {turn} {name} ({path}) <=="
+
+
+def print_logs(
+    folder: Path,
+    out: TextIO,
+    *,
+    turn: int | None = None,
+    follow: bool = False,
+    settled: Callable[[], bool] = lambda: True,
+) -> int:
+    """Print the step logs in ``folder`` (only turn ``turn``'s if given), each under a
+    header line, with control characters escaped. With ``follow``, keep printing what is
+    added (new steps, new lines) until ``settled()`` and nothing more came. Returns how
+    many step logs were printed."""
+    offsets: dict[Path, int] = {}
+    current: Path | None = None
+    while True:
+        grew = False
+        for t, _step, name, path in step_files(folder, turn):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(offsets.get(path, 0))
+                    data = fh.read()
+            except OSError:
+                continue
+            if path not in offsets or data:
+                if current != path:
+                    out.write(_header(t, name, path) + "\n")
+                    current = path
+                out.write(printable(data.decode("utf-8", "replace"), newlines=True))
+                out.flush()
+                offsets[path] = offsets.get(path, 0) + len(data)
+                grew = True
+        if not follow or (not grew and settled()):
+            return len(offsets)
+        if not grew:
+            time.sleep(FOLLOW_POLL)
