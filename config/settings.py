@@ -81,6 +81,31 @@ class Settings(BaseSettings):
     # overnight's own folder on this host: task worktrees, verifier checkouts, snapshots
     # (unset: $XDG_STATE_HOME/overnight, else ~/.local/state/overnight). Never inside a task's tree.
     state_dir: str | None = None
+    # When the night ends (as `up --until`): an ISO date-time, or a clock time meaning its
+    # next occurrence. From then on no step starts; running ones end as a requested stop.
+    stop_at: str | None = None
+    # Serve Prometheus /metrics on this port (`up` and `coordinator`; `up` gives its
+    # workers the next ports, worker N on port + N; a lone `overnight worker` uses the port).
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    # Where the end-of-night summary (and a task's pause) is POSTed as JSON.
+    notify_url: str | None = None
+
+    @field_validator("stop_at")
+    @classmethod
+    def _stop_at(cls, value: str | None) -> str | None:
+        from overnight.config.stopat import check_format
+
+        return None if value is None else check_format(value)
+
+    @field_validator("notify_url")
+    @classmethod
+    def _notify_url(cls, value: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if value is not None and (urlsplit(value).scheme not in ("http", "https")
+                                  or not urlsplit(value).netloc):  # fmt: skip
+            raise ValueError("must be an http:// or https:// URL")
+        return value
 
     @field_validator(*RULES, mode="before")
     @classmethod

@@ -155,6 +155,7 @@ def worker_command(
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
     from overnight.coordinator.dispatch import OvernightWorker
+    from overnight.coordinator.metrics import serve_from_settings as serve_metrics
     from overnight.worker.stepuser import configured
 
     configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
@@ -167,6 +168,7 @@ def worker_command(
     conn.ping()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     worker = OvernightWorker(names, connection=conn, name=name)
+    serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None
     try:
         while True:
@@ -351,11 +353,27 @@ def logs_command(task_id: str, turn: int | None, follow: bool) -> None:
 
 @click.command("report")
 @click.option("--plain", is_flag=True, help="Plain text even on a terminal.")
-def report_command(plain: bool) -> None:
-    """The morning view: one line per task with state, calls, turns, time, last verdict."""
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="Write the whole night as one self-contained HTML page to FILE instead.",
+)
+def report_command(plain: bool, html_file: Path | None) -> None:
+    """The morning view: one line per task with state, calls, turns, time, last verdict.
+
+    With --html FILE: a page that needs no network (what needs a person, tasks by state,
+    the envelope, a timeline of every step, the burn-down and a card per task)."""
     from overnight.config.context import redis_client, settings
     from overnight.coordinator.report import envelope_lines, render_plain, render_rich
 
+    if html_file is not None:
+        from overnight.coordinator.report import write_html
+
+        write_html(redis_client(), settings().namespace, html_file)
+        click.echo(str(html_file))
+        return
     store = _store()
     records = store.all()
     footer = envelope_lines(redis_client(), settings().namespace, records)

@@ -45,12 +45,20 @@ from overnight.config.exits import EXIT_USAGE, CommandError
     show_default=True,
     help="Embedded Redis data, logs and the lock file.",
 )
+@click.option(
+    "--until",
+    metavar="TIME",
+    help="End the night at TIME: a clock time (07:00, its next occurrence) or an ISO "
+    "date-time [OVERNIGHT_STOP_AT]. No step starts after it; running steps get the grace, "
+    "then their tasks go back to queued; the report is written; exit 0.",
+)
 def up_command(
     workers: int,
     tasks: tuple[Path, ...],
     budget: int | None,
     exit_when_done: bool,
     state_dir: Path,
+    until: str | None,
 ) -> None:
     """Run the whole system on this machine: Redis, a reaper, workers, the coordinator.
 
@@ -59,7 +67,8 @@ def up_command(
     (state, turn, calls, lease age, last beat) and the envelope's remaining calls,
     redrawn in place on a terminal, as log lines otherwise. Ctrl-C or SIGTERM stops
     everything it started and leaves no process behind. A second `up` on the same
-    namespace (or the same --state-dir) refuses to start (exit 2).
+    namespace (or the same --state-dir) refuses to start (exit 2). The HTML report is
+    refreshed every minute in --state-dir/report.html and written when the night ends.
     """
     from overnight.coordinator.up import UpOptions, run_up
 
@@ -69,8 +78,20 @@ def up_command(
         budget=budget,
         exit_when_done=exit_when_done,
         state_dir=state_dir,
+        until=None if until is None else _until(until),
     )
     sys.exit(run_up(opts).code)
+
+
+def _until(text: str) -> float:
+    from datetime import datetime
+
+    from overnight.config.stopat import StopAtError, parse_stop_at
+
+    try:
+        return parse_stop_at(text, datetime.now().astimezone()).timestamp()
+    except StopAtError as exc:
+        raise CommandError(f"--until: {exc}", EXIT_USAGE) from None
 
 
 @click.command("demo")

@@ -101,10 +101,13 @@ def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> l
     whose worker died or whose own deadline passed.
     """
     from overnight.coordinator.dispatch import recover
+    from overnight.coordinator.metrics import REAPER
     from overnight.worker.reaper import reap_once
 
     keys = Keys(settings.namespace)
     report = reap_once(client, keys, grace=settings.grace, host_ttl=None)
+    REAPER.passes += 1
+    REAPER.kills += len(report.actions)
     lines = [f"lease {a.lease_id}: {a.outcome}: {a.why}" for a in report.actions]
     lines += recover(client, rq_conn, keys, settings)
     return lines
@@ -136,6 +139,10 @@ def run_coordinator(
     rq_conn = connect(settings, decode_responses=False)
     client.ping()
     keys = Keys(settings.namespace)
+    if settings.metrics_port is not None:
+        from overnight.coordinator.metrics import serve
+
+        serve(client, keys, settings.metrics_port)
     if settings.budget is not None:
         ensure_envelope(client, keys, settings.budget)
     submitted = submit_folders(client, rq_conn, settings, folders)

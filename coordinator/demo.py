@@ -50,6 +50,8 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
         env={"OVERNIGHT_NAMESPACE": "demo", **env},
     )
     result = run_up(opts)
+    if result.report is not None:
+        print(f"demo: report {result.report}")
     if result.code != EXIT_OK:
         return result.code
     wrong = []

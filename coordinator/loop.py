@@ -22,7 +22,7 @@ from pathlib import Path
 import redis
 
 from overnight.config.spawn import python_module
-from overnight.coordinator import model_step
+from overnight.coordinator import model_step, stop
 from overnight.coordinator.judge import (
     PROTECTED_RULE,
     agent_failed,
@@ -87,6 +87,8 @@ class LoopConfig:
     step_user: StepUser | None = field(default_factory=stepuser.configured)
     # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
     model_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # When the night ends (unix time; OVERNIGHT_STOP_AT): no step starts from then on.
+    stop_at: float | None = field(default_factory=stop.configured)
 
 
 def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
@@ -174,6 +176,9 @@ class TaskLoop:
 
     def run(self, task_id: str, attempt: int, runner: Runner) -> str:
         """Claim the task and loop; returns the state it was left in (or why it was not run)."""
+        if self.config.stop_at and stop.stop_due(self.store.now(), self.config.stop_at):
+            log.info("task %s attempt %s: not run: the night has ended", task_id, attempt)
+            return "skipped:night-ended"
         try:
             rec = self.store.claim(task_id, attempt, self.token, self.config.claim_ttl, runner)
         except TaskRefused as exc:
@@ -208,6 +213,8 @@ class TaskLoop:
             ended = expired(cp, spec, now, deadline)
             if ended is not None:
                 return self._write(rec, ended)
+            if self.config.stop_at and stop.stop_due(now, self.config.stop_at):
+                return self._write(rec, stop.stopped(cp, spec, self.config.stop_at))
             if cp.step == 0 and spec.base is not None:
                 try:  # the task's worktree, made before its first step is charged
                     self._space(rec).agent_cwd(self.config.step_user)
@@ -227,12 +234,16 @@ class TaskLoop:
                 return self._write(rec, refused(cp, spec, exc.who, exc.detail))
             cp = started
             step_deadline = min(deadline - now, self._step_deadline(spec))
+            by_stop = stop.stop_cut(now, self.config.stop_at, self.config.grace, step_deadline)
+            step_deadline = step_deadline if by_stop is None else by_stop
             req = self._request(rec, cp, step_deadline)
             try:
                 outcome, cp = self._run_step(rec, cp, req, request)
             except (GitError, OSError) as exc:
                 return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             log_file = str(req.log_path) if req.log_path is not None else ""
+            if by_stop is not None and outcome.status == "expired" and self.config.stop_at:
+                return self._write(rec, stop.stopped(cp, spec, self.config.stop_at, outcome))
             nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline, log=log_file)
             if nxt.state == State.AGENT_FAILED:
                 self._uncharge(rec, request)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from overnight.coordinator.states import State
 from overnight.coordinator.taskstore import TaskRecord
+
+if TYPE_CHECKING:
+    from overnight.coordinator.report_model import Report
 from overnight.coordinator.text import printable
 
 
@@ -198,3 +201,56 @@ def render_rich(records: list[TaskRecord], footer: list[str]) -> None:
     console.print(table)
     for line in [summary(records), *footer]:
         console.print(Text(printable(line)), highlight=False)
+
+def gather(client: Any, namespace: str, now: float | None = None) -> Report:
+    """The :class:`~overnight.coordinator.report_model.Report` of every task the namespace
+    holds, read from Redis (records, receipts, envelopes) and git (each task branch's diff)."""
+    from overnight.config.keys import Keys
+    from overnight.coordinator.report_model import build
+    from overnight.coordinator.taskstore import TaskStore, server_time
+    from overnight.worker import receipts
+    from overnight.worker.envelope import CallEnvelope
+
+    keys = Keys(namespace)
+    records = TaskStore(client, keys).all()
+    names = {rec.spec.envelope for rec in records} | {"default"}
+    envelopes = {}
+    for name in sorted(names):
+        state = CallEnvelope(client, name, namespace).snapshot()
+        envelopes[name] = {**state.model_dump(), "exists": state.exists}
+    return build(
+        records,
+        receipts.read(client, keys),
+        envelopes,
+        server_time(client) if now is None else now,
+        namespace=namespace,
+        diffs=task_diffs(records),
+    )
+
+
+def task_diffs(records: list[TaskRecord]) -> dict[str, str]:
+    """Each worktree task's branch diff against its base commit, where git can still say."""
+    out: dict[str, str] = {}
+    for rec in records:
+        base = getattr(rec.spec, "base", None)
+        head = getattr(rec.checkpoint, "head", None)
+        if base is None or not getattr(base, "sha", None) or not head:
+            continue
+        try:
+            from overnight.coordinator.workspace import diff
+
+            out[rec.id] = diff(base.root, base.sha, head)
+        except Exception:  # a repository moved or pruned: the card goes without
+            continue
+    return out
+
+
+def write_html(client: Any, namespace: str, path: Any) -> Report:
+    """Gather the report and write it to ``path`` as one HTML file; returns the report."""
+    from pathlib import Path
+
+    from overnight.coordinator.html_report import write
+
+    report = gather(client, namespace)
+    write(report, Path(path))
+    return report

@@ -65,14 +65,17 @@ class Stack:
         self.env["OVERNIGHT_REDIS_URL"] = self.redis.url
         return self.redis.url
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        """Start one member process; its output goes to ``state_dir/logs/<name>.log``."""
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start one member process (``env`` added to the stack's); its output goes to
+        ``state_dir/logs/<name>.log``."""
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{name}.log", "ab") as out:
             proc = subprocess.Popen(
                 argv,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

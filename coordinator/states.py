@@ -56,6 +56,8 @@ TRANSITIONS: dict[Op, dict[State, frozenset[State]]] = {
     "save": {
         RUNNING: frozenset({RUNNING}),
         PAUSED: frozenset({RUNNING}),
+        # The night ended (coordinator.stop): back to the queue from the checkpoint.
+        QUEUED: frozenset({RUNNING}),
         **{end: frozenset({RUNNING}) for end in TERMINAL - {State.ABORTED}},
     },
     "orphan": {

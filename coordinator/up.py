@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
 from overnight.config.keys import Keys
 from overnight.config.spawn import overnight_argv
+from overnight.coordinator.night import Night, resume_queued
 from overnight.coordinator.progress import PlainProgress, TaskRow, table
 from overnight.coordinator.stack import Stack
 from overnight.coordinator.states import State
@@ -47,6 +48,7 @@ class UpOptions:
     state_dir: Path = Path(".overnight")
     embedded: bool = False  # always start a private Redis (the demo)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for everything
+    until: float | None = None  # unix time the night ends (--until; else OVERNIGHT_STOP_AT)
 
 
 class StopRequested:
@@ -141,12 +143,27 @@ def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> lis
     return out
 
 
+def _night_end(opts: UpOptions, settings: Settings) -> float | None:
+    """When this night ends: ``--until``, else ``OVERNIGHT_STOP_AT``, else never."""
+    from datetime import datetime
+
+    from overnight.config.stopat import StopAtError, parse_stop_at
+
+    if opts.until is not None or not settings.stop_at:
+        return opts.until
+    try:
+        return parse_stop_at(settings.stop_at, datetime.now().astimezone()).timestamp()
+    except StopAtError as exc:
+        raise CommandError(f"OVERNIGHT_STOP_AT: {exc}", EXIT_USAGE) from None
+
+
 @dataclass
 class UpResult:
     """How ``overnight up`` ended: its exit code and each task's final state."""
 
     code: int
     states: dict[str, str] = field(default_factory=dict)
+    report: Path | None = None  # the HTML report written when the night ended
 
 
 def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
@@ -213,12 +230,16 @@ def _run(
         if budget is not None and ensure_envelope(client, keys, budget):
             print(f"overnight: envelope 'default' created with {budget} calls", file=sys.stderr)
         stack.env.update({"OVERNIGHT_REDIS_URL": settings.redis_url})
+        night = Night(_night_end(opts, settings), settings, client, keys, opts.state_dir)
+        night.prepare(stack)
         stack.spawn(
             "reaper", overnight_argv("reaper", "--interval", repr(settings.reaper_interval))
         )
         for i in range(opts.workers):
             stack.spawn(
-                f"worker-{i + 1}", overnight_argv("worker", "--name", f"up-{os.getpid()}-{i + 1}")
+                f"worker-{i + 1}",
+                overnight_argv("worker", "--name", f"up-{os.getpid()}-{i + 1}"),
+                env=night.worker_env(i + 1),
             )
         submitted = submit_folders(client, rq_conn, settings, opts.tasks)
         if submitted.problems:
@@ -226,6 +247,8 @@ def _run(
                 print(line, file=sys.stderr)
             raise CommandError("invalid task files; nothing was enqueued", EXIT_USAGE)
         ids = [rec.id for rec in submitted.records] + submitted.known
+        for task_id in resume_queued(client, rq_conn, keys, submitted.known):
+            print(f"overnight: task {task_id} resumes from its checkpoint", file=sys.stderr)
         print(
             f"overnight: {len(submitted.records)} tasks enqueued, {len(submitted.known)} already "
             f"known; {opts.workers} workers; namespace {settings.namespace!r}; logs in "
@@ -233,14 +256,19 @@ def _run(
             file=sys.stderr,
         )
         store = TaskStore(client, keys)
-        _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, lock, out)
+        _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, lock, out, night)
         records = [r for r in (store.get(i) for i in ids) if r is not None]
         render_plain(records, out, envelope_lines(client, keys.namespace, records))
         states = {r.id: r.state.value for r in records}
+        why = "signal" if stopper.signum else "until" if night.ended else "done"
+        report = night.finish(why)
+        if report is not None:
+            print(f"overnight: report {report}", file=sys.stderr, flush=True)
         if stopper.signum:
-            return UpResult(128 + stopper.signum, states)
-        done = all(r.state in SETTLED for r in records)
-        return UpResult(EXIT_OK if done or not opts.exit_when_done else EXIT_REFUSED, states)
+            return UpResult(128 + stopper.signum, states, report)
+        done = night.ended or all(r.state in SETTLED for r in records)
+        code = EXIT_OK if done or not opts.exit_when_done else EXIT_REFUSED
+        return UpResult(code, states, report)
     finally:
         lock.release()
 
@@ -257,6 +285,7 @@ def _watch(
     ids: list[str],
     lock: Lock,
     out: TextIO,
+    night: Night | None = None,
 ) -> None:
     from rich.console import Console
     from rich.live import Live
@@ -299,6 +328,8 @@ def _watch(
                 for line in plain.changes(rows):
                     print(line, file=out, flush=True)
             if opts.exit_when_done and all(r.state in SETTLED for r in records):
+                return
+            if night is not None and night.tick(records):
                 return
             stopper.event.wait(REFRESH_SEC)
     finally:

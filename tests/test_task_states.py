@@ -67,7 +67,7 @@ def test_the_sets() -> None:
         ("save", "running", "agent_failed", True),
         ("save", "running", "paused_for_reconciliation", True),
         ("save", "running", "aborted", False),
-        ("save", "running", "queued", False),
+        ("save", "running", "queued", True),  # the night ended (coordinator.stop)
         ("save", "finished_verified", "finished_verified", False),
         ("orphan", "running", "queued", True),
         ("orphan", "running", "expired", True),
