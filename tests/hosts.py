@@ -1,0 +1,357 @@
+"""Several hosts on one machine: each a Linux network namespace made here, joined to one
+Redis in its own namespace by a veth pair (a private link 10.231.K.0/24 that exists only
+between namespaces this module made), with its own host name (``unshare --uts``) and
+``OVERNIGHT_HOST_ID``; the coordinator's commands run in a namespace of their own.
+
+The test process itself reaches that Redis only through its Unix socket (a file, which no
+network namespace hides), so no traffic leaves the namespaces made here. A host can be
+killed whole (every process of its namespace at once) or cut off (its link down, its
+processes alive) and joined again. :meth:`Cluster.close` ends every process of every
+namespace and deletes them, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+from overnight.config.keys import Keys
+from overnight.coordinator.embedded_redis import find_redis_server
+
+OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
+REDIS_PORT = 6390
+# Settings every process of the cluster gets (timing knobs shrunk for tests).
+FAST = {
+    "OVERNIGHT_TASK_CLAIM_TTL": "1",
+    "OVERNIGHT_RECOVERY_INTERVAL": "0.5",
+    "OVERNIGHT_GRACE": "0.5",
+    "OVERNIGHT_REAPER_INTERVAL": "0.25",
+    "OVERNIGHT_REAPER_HOST_TTL": "2",
+    # The harness runs as root and its steps write to the test's own (root's) folders.
+    "OVERNIGHT_ALLOW_ROOT_STEPS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class NamespacesRefused(Exception):
+    """The kernel (or the lack of root or of ``ip``) refuses network namespaces here."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=False)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+    return proc
+
+
+def namespaces_refused() -> str | None:
+    """Why this machine cannot make network namespaces, or None if it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"no {tool} command (iproute2 / util-linux)"
+    probe = f"ovnp{secrets.token_hex(4)}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"the kernel refuses network namespaces: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class Host:
+    """One host: its namespace, id, link and the processes started on it."""
+
+    index: int
+    netns: str
+    host_id: str
+    redis_addr: str  # Redis as this host reaches it
+    link: str  # the Redis side of its veth pair (in the Redis namespace)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def log_text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+
+class Cluster:
+    """N hosts, one Redis, one coordinator namespace (see the module docstring)."""
+
+    def __init__(self, folder: Path, hosts: int, extra_env: dict[str, str] | None = None) -> None:
+        self.folder = folder
+        self.tag = secrets.token_hex(3)
+        self.password = uuid.uuid4().hex
+        self.namespace = f"h-{self.tag}"
+        self.extra_env = dict(extra_env or {})
+        self.redis_ns = f"ovn{self.tag}r"
+        self.coord_ns = f"ovn{self.tag}c"
+        self.made: list[str] = []
+        self.hosts: list[Host] = []
+        self.redis_proc: subprocess.Popen[bytes] | None = None
+        self.socket = folder / "redis.sock"
+        self._client: redis.Redis | None = None
+        self._count = hosts
+
+    # --- building -------------------------------------------------------------------------
+
+    def start(self) -> Cluster:
+        self._netns(self.redis_ns)
+        self._netns(self.coord_ns)
+        self.coord_addr = self._link(0, self.coord_ns)[0]
+        for i in range(1, self._count + 1):
+            netns = f"ovn{self.tag}h{i}"
+            self._netns(netns)
+            addr, link = self._link(i, netns)
+            self.hosts.append(Host(i - 1, netns, f"host-{i}-{self.tag}", addr, link))
+        self._start_redis()
+        return self
+
+    def _netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.made.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _link(self, k: int, netns: str) -> tuple[str, str]:
+        """A veth pair between the Redis namespace and ``netns`` on 10.231.k.0/24."""
+        near, far = f"r{k}", "eth0"
+        _ip("-n", self.redis_ns, "link", "add", near, "type", "veth", "peer", "name", far,
+            "netns", netns)  # fmt: skip
+        _ip("-n", self.redis_ns, "addr", "add", f"10.231.{k}.1/24", "dev", near)
+        _ip("-n", netns, "addr", "add", f"10.231.{k}.2/24", "dev", far)
+        _ip("-n", self.redis_ns, "link", "set", near, "up")
+        _ip("-n", netns, "link", "set", far, "up")
+        return f"10.231.{k}.1", near
+
+    def _start_redis(self) -> None:
+        data = self.folder / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        argv = [
+            "ip", "netns", "exec", self.redis_ns, find_redis_server(), "-",
+            "--port", str(REDIS_PORT), "--bind", "0.0.0.0",
+            "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+            "--dir", str(data), "--logfile", str(data / "redis.log"),
+            "--save", "", "--appendonly", "no", "--daemonize", "no",
+        ]  # fmt: skip
+        quiet = subprocess.DEVNULL
+        self.redis_proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=quiet, stderr=quiet)
+        assert self.redis_proc.stdin is not None
+        with self.redis_proc.stdin:
+            self.redis_proc.stdin.write(f"requirepass {self.password}\n".encode())
+        deadline = time.monotonic() + 15
+        while True:
+            with contextlib.suppress(redis.RedisError, OSError):
+                if self.client.ping():
+                    return
+            if time.monotonic() > deadline or self.redis_proc.poll() is not None:
+                raise RuntimeError(f"redis-server did not start; see {data / 'redis.log'}")
+            time.sleep(0.05)
+
+    # --- reaching things ----------------------------------------------------------------------
+
+    @property
+    def client(self) -> redis.Redis:
+        """The test's own text client (through the Unix socket)."""
+        if self._client is None:
+            self._client = redis.Redis(
+                unix_socket_path=str(self.socket), password=self.password, decode_responses=True
+            )
+        return self._client
+
+    def url(self, addr: str) -> str:
+        return f"redis://:{self.password}@{addr}:{REDIS_PORT}/0"
+
+    def env(self, host: Host | None = None, **extra: str) -> dict[str, str]:
+        """The environment of a host's processes (or of the coordinator's, for None)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+        env.pop("MODEL_URL", None)
+        env.update(FAST)
+        env.update(self.extra_env)
+        env["OVERNIGHT_NAMESPACE"] = self.namespace
+        env["OVERNIGHT_QUEUE"] = self.namespace
+        addr = host.redis_addr if host is not None else self.coord_addr
+        env["OVERNIGHT_REDIS_URL"] = self.url(addr)
+        env["OVERNIGHT_HOST_ID"] = host.host_id if host is not None else f"coord-{self.tag}"
+        env.update(extra)
+        return env
+
+    def _in(self, netns: str, name: str, argv: list[str]) -> list[str]:
+        """``argv`` run in ``netns`` with the host name ``name`` (its own UTS namespace)."""
+        return ["ip", "netns", "exec", netns, "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', name, *argv]  # fmt: skip
+
+    def coordinator(self, *args: str, timeout: float = 40) -> subprocess.CompletedProcess[str]:
+        """``overnight ARGS`` in the coordinator's namespace."""
+        argv = self._in(self.coord_ns, f"coord-{self.tag}", [OVERNIGHT, *args])
+        return subprocess.run(argv, env=self.env(), capture_output=True, text=True,
+                              timeout=timeout, check=False)  # fmt: skip
+
+    def start_worker(self, host: Host, *, reaper: bool) -> subprocess.Popen[bytes]:
+        """``overnight worker [--with-reaper]`` on ``host``, its output in a log file."""
+        argv = [OVERNIGHT, "worker", *(["--with-reaper"] if reaper else [])]
+        log = self.folder / f"{host.host_id}-{len(host.procs)}.log"
+        out: IO[bytes] = log.open("wb")
+        with out:
+            proc = subprocess.Popen(self._in(host.netns, host.host_id, argv), env=self.env(host),
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out)  # fmt: skip
+        host.procs.append(proc)
+        host.logs.append(log)
+        return proc
+
+    def reaper_up(self, host: Host) -> bool:
+        """True while the host's reaper heartbeat is in Redis."""
+        return bool(self.client.exists(Keys(self.namespace).reaper_host(host.host_id)))
+
+    # --- faults -------------------------------------------------------------------------------
+
+    def pids(self, netns: str) -> list[int]:
+        """Every process of ``netns``."""
+        out = _ip("netns", "pids", netns, check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def kill_host(self, host: Host) -> float:
+        """SIGKILL every process of the host's namespace at once; returns when (wall clock)."""
+        at = time.time()
+        for _ in range(50):
+            pids = self.pids(host.netns)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        for proc in host.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        return at
+
+    def cut(self, host: Host) -> float:
+        """Take the host's link down (its processes live on); returns when."""
+        _ip("-n", self.redis_ns, "link", "set", host.link, "down")
+        return time.time()
+
+    def join(self, host: Host) -> float:
+        """Bring the host's link back up; returns when."""
+        _ip("-n", self.redis_ns, "link", "set", host.link, "up")
+        return time.time()
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End every process of every namespace made here and delete the namespaces."""
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        for netns in self.made:
+            for _ in range(50):
+                pids = self.pids(netns)
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.02)
+        procs = [p for h in self.hosts for p in h.procs]
+        procs += [self.redis_proc] if self.redis_proc is not None else []
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(5)
+        for netns in self.made:
+            _ip("netns", "del", netns, check=False)
+        self.made.clear()
+
+
+@contextlib.contextmanager
+def cluster(folder: Path, hosts: int, extra_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """A started :class:`Cluster` of ``hosts`` hosts, closed on the way out in every case."""
+    made = Cluster(folder, hosts, extra_env)
+    try:
+        yield made.start()
+    finally:
+        made.close()
+
+
+# --- what the agents leave: a trace of every run ----------------------------------------
+
+AGENT = """\
+import os, socket, sys, time, uuid
+trace, task, secs = sys.argv[1], sys.argv[2], float(sys.argv[3])
+run, host, end = uuid.uuid4().hex[:12], socket.gethostname(), time.time() + secs
+while True:
+    now = time.time()
+    with open(trace, "a") as fh:
+        fh.write(f"{task} {host} {run} {os.getpid()} {now:.3f}\\n")
+    print(run, now, flush=True)  # a beat, never the same output twice
+    if now >= end:
+        break
+    time.sleep(0.05)
+open("ok.txt", "w").close()
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of one task's agent, as its trace lines show it."""
+
+    task: str
+    host: str
+    run: str
+    pid: int
+    start: float
+    end: float
+
+
+def write_agent(folder: Path) -> Path:
+    path = folder / "agent.py"
+    path.write_text(AGENT)
+    return path
+
+
+def runs(trace: Path) -> list[Run]:
+    """Every run the trace shows (first and last line of each)."""
+    seen: dict[str, list[Any]] = {}
+    if not trace.exists():
+        return []
+    for line in trace.read_text().splitlines():
+        parts = line.split()
+        if len(parts) != 5:
+            continue
+        task, host, run, pid, at = parts
+        t = float(at)
+        if run in seen:
+            seen[run][5] = max(seen[run][5], t)
+            seen[run][4] = min(seen[run][4], t)
+        else:
+            seen[run] = [task, host, run, int(pid), t, t]
+    return [Run(*row) for row in seen.values()]
+
+
+def overlaps(all_runs: list[Run]) -> list[tuple[Run, Run]]:
+    """Pairs of runs of one task that were alive at the same time."""
+    found = []
+    by_task: dict[str, list[Run]] = {}
+    for r in all_runs:
+        by_task.setdefault(r.task, []).append(r)
+    for task_runs in by_task.values():
+        task_runs.sort(key=lambda r: r.start)
+        latest: Run | None = None  # of the runs so far, the one alive longest
+        for r in task_runs:
+            if latest is not None and r.start <= latest.end:
+                found.append((latest, r))
+            if latest is None or r.end > latest.end:
+                latest = r
+    return found
