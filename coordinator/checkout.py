@@ -66,12 +66,12 @@ def take_snapshot(
     root: Path, globs: Sequence[str], named: Sequence[str], store: Path
 ) -> dict[str, str]:
     """Hash every protected file under ``root`` and keep its bytes in ``store`` (by hash)."""
-    store.mkdir(parents=True, exist_ok=True, mode=0o700)
     out: dict[str, str] = {}
     for rel in protected_of(walk_files(root), globs, named):
         src = root / rel
         if src.is_symlink() or not src.is_file():
             continue
+        store.mkdir(parents=True, exist_ok=True, mode=0o700)
         digest = sha256_file(src)
         dest = store / digest
         if not dest.exists():

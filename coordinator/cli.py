@@ -47,6 +47,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "receipts": ("coordinator.cli_tasks:receipts_command", "Print receipts as JSON lines."),
     "logs": ("coordinator.cli_tasks:logs_command", "Print what a task's steps printed."),
     "report": ("coordinator.cli_tasks:report_command", "The morning view of every task."),
+    "diff": ("coordinator.cli_tasks:diff_command", "Print a task branch's diff against its base."),
+    "worktrees": ("coordinator.cli_tasks:worktrees_group", "Prune the worktrees of ended tasks."),
     "coordinator": ("coordinator.cli_up:coordinator_command", "Run the coordinator process."),
     "up": ("coordinator.cli_up:up_command", "Run the whole system on this machine."),
     "demo": ("coordinator.cli_up:demo_command", "A one-minute demo on an embedded Redis."),

@@ -71,7 +71,7 @@ def submit_command(
     if not NAME_RE.match(queue):
         raise click.BadParameter("letters, digits, '.', '_' or '-'", param_hint="--queue")
     try:
-        specs = load_all(list(files))
+        specs = load_all(list(files), warn=lambda line: click.echo(line, err=True))
     except TaskFileError as exc:
         for line in exc.problems:
             click.echo(line, err=True)
@@ -381,3 +381,50 @@ def report_command(plain: bool, html_file: Path | None) -> None:
         render_plain(records, sys.stdout, footer)
     else:
         render_rich(records, footer)
+
+
+@click.command("diff")
+@click.argument("task_id")
+@click.option("--stat", is_flag=True, help="Only the diffstat.")
+def diff_command(task_id: str, stat: bool) -> None:
+    """Print the task branch's diff against its base (git diff BASE..overnight/TASK).
+
+    Merging stays a person's act: review this, then merge the branch yourself.
+    """
+    from overnight.coordinator import workspace
+
+    store = _store()
+    rec = _record(store, task_id)
+    base = rec.spec.base
+    if base is None or base.mode != workspace.WORKTREE or base.sha is None:
+        raise CommandError(f"task {task_id!r} did not work on a branch (workspace is "
+                           f"{base.mode if base else 'unknown'})", EXIT_USAGE)  # fmt: skip
+    branch = rec.checkpoint.branch or workspace.branch_name(task_id)
+    try:
+        if stat:
+            click.echo(
+                workspace.git("diff", "--stat", f"{base.sha}..{branch}", cwd=base.root), nl=False
+            )
+        else:
+            click.echo(workspace.diff(base.root, base.sha, branch), nl=False)
+    except (workspace.GitError, OSError) as exc:
+        raise CommandError(f"overnight diff: {exc}", EXIT_USAGE) from None
+
+
+@click.group("worktrees")
+def worktrees_group() -> None:
+    """The task worktrees under overnight's state folder."""
+
+
+@worktrees_group.command("prune")
+def worktrees_prune_command() -> None:
+    """Remove the worktrees of tasks that ended; their branches stay.
+
+    A locked worktree (a step is running in it), one with uncommitted changes, or one of a
+    task still queued, running or paused is left, and said so in one line.
+    """
+    from overnight.coordinator.taskspace import prune
+    from overnight.coordinator.workspace import state_dir
+
+    for line in prune(_store(), state_dir()):
+        click.echo(line)

@@ -1,0 +1,136 @@
+"""Issue 12 end to end: `overnight submit`, two real workers (steps under leases), and what
+the morning gets: status fields, `overnight diff`, the report's diffstat, worktree pruning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import OVERNIGHT
+from tests.test_workspace import FIX, FIXED, make_repo, sh, task_toml
+
+
+@pytest.fixture
+def wenv(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    return {
+        **env,
+        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
+        "OVERNIGHT_TASK_CLAIM_TTL": "2",
+        "OVERNIGHT_GRACE": "0.5",
+        "OVERNIGHT_STATE_DIR": str(tmp_path / "state"),
+    }
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def status(env: dict[str, str], task_id: str) -> dict[str, Any]:
+    proc = cli(env, "status", task_id)
+    assert proc.returncode == 0, proc.stderr
+    data: dict[str, Any] = json.loads(proc.stdout)
+    return data
+
+
+@pytest.mark.slow
+def test_two_workers_two_branches_and_the_morning_view(
+    wenv: dict[str, str], tmp_path: Path
+) -> None:
+    assert cli(wenv, "envelope", "reset", "100").returncode == 0
+    repo = make_repo(tmp_path / "repo")
+    (repo / "notes.txt").write_text("not committed\n")  # the base is HEAD, not this
+    files = [
+        task_toml(repo, FIX + f"; open('{n}.txt', 'w').write('{n}')", name=n, id=n)
+        for n in ("one", "two")
+    ]
+    proc = cli(wenv, "submit", *map(str, files))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["one", "two"]
+    warnings = proc.stderr.splitlines()
+    assert len(warnings) == 2 and all("uncommitted changes" in w for w in warnings)
+    workers = [
+        subprocess.Popen(
+            [OVERNIGHT, "worker", "--burst"],
+            env=wenv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for w in workers:
+            assert w.wait(120) == 0
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait(10)
+            if w.stderr is not None:
+                w.stderr.close()
+    base = sh(repo, "rev-parse", "HEAD").strip()
+    for mine, other in (("one", "two"), ("two", "one")):
+        st = status(wenv, mine)
+        assert st["state"] == "finished_verified", st
+        branch = f"overnight/{mine}"
+        assert (st["base"], st["branch"]) == (base, branch)
+        assert st["head"] == sh(repo, "rev-parse", branch).strip()
+        files_on_branch = sh(repo, "ls-tree", "-r", "--name-only", branch).split()
+        assert f"{mine}.txt" in files_on_branch and f"{other}.txt" not in files_on_branch
+        assert "notes.txt" not in files_on_branch
+        assert sh(repo, "show", f"{branch}:calc.py") == FIXED
+        assert f"overnight: task {mine} turn 1" in sh(repo, "log", "--format=%s", branch)
+        want = sh(repo, "diff", f"{base}..{branch}")
+        got = cli(wenv, "diff", mine)
+        assert got.returncode == 0 and got.stdout == want
+        shortstat = sh(repo, "diff", "--shortstat", f"{base}..{branch}").strip()
+        assert st["diffstat"] == shortstat
+        verdicts = [
+            json.loads(line)
+            for line in cli(wenv, "receipts", mine).stdout.splitlines()
+            if json.loads(line)["kind"] == "verdict"
+        ]
+        assert verdicts[-1]["data"]["commit"] == st["head"]
+    report = cli(wenv, "report", "--plain")
+    assert report.returncode == 0
+    for mine in ("one", "two"):
+        [line] = [ln for ln in report.stdout.splitlines() if ln.startswith(mine + " ")]
+        assert f"overnight/{mine}: {status(wenv, mine)['diffstat']}" in line
+    # Nothing of the night touched the person's own tree.
+    assert (repo / "calc.py").read_text() != FIXED
+    pruned = cli(wenv, "worktrees", "prune")
+    assert pruned.returncode == 0, pruned.stderr
+    assert len([ln for ln in pruned.stdout.splitlines() if "removed" in ln]) == 2
+    assert not any((tmp_path / "state" / "worktrees").rglob("calc.py"))
+    assert sh(repo, "branch", "--list", "overnight/*").split() == ["overnight/one", "overnight/two"]
+
+
+def test_bad_workspace_input_enqueues_nothing(wenv: dict[str, str], tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "x.txt").write_text("x")
+    repo = make_repo(tmp_path / "repo")
+    good = task_toml(repo, FIX, name="good")
+    bad = task_toml(plain, FIX, name="bad", workspace="worktree")
+    proc = cli(wenv, "submit", str(good), str(bad))
+    assert proc.returncode == 64
+    assert proc.stderr.splitlines() == [
+        f'{bad}: workspace: "worktree" needs a git repository; {plain} is not in one'
+    ]
+    assert json.loads(cli(wenv, "status").stdout) == []
+
+
+def test_diff_of_a_task_without_a_branch_is_one_line(wenv: dict[str, str], tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "x.txt").write_text("x")
+    path = task_toml(plain, FIX, name="p", id="plain-task", protect=[])
+    assert cli(wenv, "submit", str(path)).returncode == 0
+    proc = cli(wenv, "diff", "plain-task")
+    assert proc.returncode == 64 and len(proc.stderr.strip().splitlines()) == 1
+    assert "did not work on a branch" in proc.stderr
