@@ -9,7 +9,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class Gw:
     r: redis.Redis
     keys: Keys
     namespace: str
+    clients: list[openai.OpenAI | anthropic.Anthropic] = field(default_factory=list)
 
     def grant(self, **kw: Any) -> tuple[str, str]:
         """A running lease and a token for it: (lease id, token)."""
@@ -64,10 +65,18 @@ class Gw:
         return [rc.data for rc in read(self.r, self.keys) if rc.kind == kind]
 
     def openai(self, token: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=token, max_retries=0)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=token, max_retries=0)
+        self.clients.append(client)
+        return client
 
     def anthropic(self, token: str) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, auth_token=token, max_retries=0)
+        client = anthropic.Anthropic(base_url=self.url, auth_token=token, max_retries=0)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
 
 
 def start_gateway(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -91,7 +100,9 @@ def gw(
            "OVERNIGHT_ANTHROPIC_URL": upstream, "OVERNIGHT_ANTHROPIC_API_KEY": "ak-real",
            "OVERNIGHT_MODEL_TIMEOUT": "3"}  # fmt: skip
     proc, url = start_gateway(env, tmp_path / "gateway.log")
-    yield Gw(url, r, Keys(namespace), namespace)
+    gw = Gw(url, r, Keys(namespace), namespace)
+    yield gw
+    gw.close()
     proc.terminate()
     assert proc.wait(10) == 0
     assert "sk-real" not in (tmp_path / "gateway.log").read_text()
@@ -111,6 +122,7 @@ def _raw(url: str, method: str = "POST", body: bytes = b"", **headers: str) -> t
             return resp.status, json.loads(raw) if raw else None
     except urllib.error.HTTPError as exc:
         raw = exc.read()
+        exc.close()
         try:
             return exc.code, json.loads(raw)
         except ValueError:
@@ -339,6 +351,7 @@ def test_upstream_down_is_a_502_and_refunded(
             gw.anthropic(token).messages.create(model="m", max_tokens=5, messages=[
                 {"role": "user", "content": "x"}])  # fmt: skip
         assert unset.value.status_code == 502 and "OVERNIGHT_ANTHROPIC_URL" in str(unset.value)
+        gw.close()
     finally:
         proc.terminate()
         proc.wait(10)

@@ -44,8 +44,13 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
         raise CommandError(
             f"Redis unreachable at {mask_url(cfg.redis_url)}: {exc}", EXIT_REDIS_DOWN
         ) from None
-    client = aioredis.Redis.from_url(cfg.redis_url, decode_responses=True, socket_timeout=5.0,
-                                     socket_connect_timeout=5.0)  # fmt: skip
+    # A bounded pool that waits for a free connection: 200 requests at once share a few
+    # dozen connections instead of failing with "Too many connections".
+    pool = aioredis.BlockingConnectionPool.from_url(
+        cfg.redis_url, max_connections=64, timeout=5.0, decode_responses=True,
+        socket_timeout=5.0, socket_connect_timeout=5.0,
+    )  # fmt: skip
+    client = aioredis.Redis(connection_pool=pool)
     bind_host = host or cfg.gateway_host
     bind_port = cfg.gateway_port if port is None else port
 

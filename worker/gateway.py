@@ -133,6 +133,8 @@ class Gateway:
         if body is None:
             return _error(fam, 413, f"request body over {self.config.max_body} bytes")
         if route not in wire.METERED:
+            if not await self.meter.alive(token):
+                return _error(fam, 401, "unknown or ended token: its lease is not running")
             return await self._plain(request, upstream, body, fam)
         return await self._metered(request, route, upstream, body, who)
 
@@ -189,14 +191,18 @@ class Gateway:
             await beats
 
     async def _beat(self, who: Holder, done: asyncio.Event) -> None:
+        # The reserve and the commit record progress themselves: beat only while the
+        # model takes longer than a third of the gap.
         every = max(0.05, min(who.gap / 3, 5.0))
         while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), every)
+            if done.is_set():
+                return
             try:
                 await self.meter.progress(who)
             except Exception as exc:
                 log.warning("gateway: lease=%s: progress not recorded: %s", who.lease_id, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), every)
 
 
 class _Call:

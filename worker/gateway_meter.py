@@ -80,12 +80,10 @@ class Meter:
         key = digest(token)
         cached = self._cache.get(key)
         if cached is not None:
+            # Who a token stands for never changes; whether its lease still runs is checked
+            # by every reserve (and by :meth:`alive` for the routes that reserve nothing).
             self._cache.move_to_end(key)
-            # The token key is deleted when the lease ends: look it up each time anyway.
-            if await self.client.exists(self.keys.gateway_token(key)):
-                return cached
-            self._cache.pop(key, None)
-            return None
+            return cached
         found_id = await self.client.get(self.keys.gateway_token(key))
         if not found_id:
             return None
@@ -102,6 +100,10 @@ class Meter:
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return found
+
+    async def alive(self, token: str) -> bool:
+        """Whether ``token`` still names a lease (its key is deleted when the lease ends)."""
+        return bool(await self.client.exists(self.keys.gateway_token(digest(token))))
 
     def _keys(self, who: Holder) -> list[str]:
         k = self.keys

@@ -62,6 +62,10 @@ if tools > 0 then
       detail = detail, who = 'envelope'})
   end
 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- An answer coming back is the step's progress too (the keeper reads progress_ms).
+  redis.call('HSET', KEYS[1], 'progress_ms', fmt(now_ms()))
+end
 local data = cjson.decode(ARGV[7])
 data.tool_units_charged = charged
 receipt(KEYS[4], ARGV[1], 'model_call', data)

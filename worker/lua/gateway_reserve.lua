@@ -70,6 +70,8 @@ else
   redis.call('HSET', KEYS[3], 'remaining', v[1], 'consumed_model', v[2])
   if task then redis.call('HINCRBY', task, 'calls_used', 1) end
 end
+-- A request going out is the step's progress (the keeper reads progress_ms).
+redis.call('HSET', KEYS[1], 'progress_ms', fmt(now))
 local member = ARGV[3] .. ':tokens:' .. fmt(hold)
 redis.call('HINCRBY', KEYS[3], 'reserved_tokens', hold)
 redis.call('ZADD', KEYS[4], fmt(now + ttl), member)
