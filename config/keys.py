@@ -90,6 +90,29 @@ class Keys:
         """Set: request ids already charged to the task's own ``max_calls`` (idempotence)."""
         return f"{self.prefix}:task:{task_id}:charged"
 
+    @property
+    def task_claims(self) -> str:
+        """Sorted set: running task id -> when its claim lapses unless renewed (server ms);
+        the recovery index of running tasks (a score of 0: its claim was dropped)."""
+        return f"{self.prefix}:task-claims"
+
+    @property
+    def task_queued(self) -> str:
+        """Sorted set: queued task id -> when recovery next checks that its RQ job is
+        there (server seconds): queued-since plus the grace, pushed on by each check."""
+        return f"{self.prefix}:task-queued"
+
+    @property
+    def tasks_ended(self) -> str:
+        """Sorted set: ended task id -> when it ended (server seconds); the retention index
+        that lets an expired record leave ``tasks`` too."""
+        return f"{self.prefix}:tasks-ended"
+
+    @property
+    def recovery_leader(self) -> str:
+        """String with a TTL: the token of the one process that runs recovery passes."""
+        return f"{self.prefix}:recovery-leader"
+
     # --- gateway ----------------------------------------------------------------------
     def gateway_token(self, digest: str) -> str:
         """String with a TTL: the lease id a gateway token (known only by its SHA-256

@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     # recovery passes (in every `overnight worker`) look for such tasks this often.
     task_claim_ttl: float = Field(15.0, gt=0)
     recovery_interval: float = Field(5.0, gt=0)
+    # Seconds everything a finished task leaves (record, receipts, RQ job and result, lease
+    # documents) is kept; receipts older than this are trimmed.
+    retention: int = Field(604_800, gt=0)
     # Who steps run as when overnight runs as root; running them as root needs the opt-in.
     step_user: str | None = None
     allow_root_steps: bool = False

@@ -222,6 +222,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "gateway_port": whole(1),
     "gateway_url": model_url,
     "request_id_ttl": whole(1),
+    "retention": whole(1),
     "reaper_interval": positive,
     "reaper_host_ttl": positive,
     "max_lost_leases": whole(1),

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import redis
 
     from overnight.config.settings import Settings
+    from overnight.coordinator.dispatch import RecoveryLead
     from overnight.coordinator.taskstore import TaskRecord
 
 log = logging.getLogger("overnight.coordinator")
@@ -94,13 +95,17 @@ def submit_folders(
     return out
 
 
+_leads: dict[tuple[int, str], RecoveryLead] = {}
+
+
 def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> list[str]:
     """One maintenance pass; returns one line per action.
 
-    Ends leases of hosts whose reaper is gone (``reaped: host-lost``) and recovers tasks
-    whose worker died or whose own deadline passed.
+    Ends leases of hosts whose reaper is gone (``reaped: host-lost``) and, if this process
+    holds the namespace's recovery lead (taken here when free), recovers tasks whose worker
+    died or whose own deadline passed.
     """
-    from overnight.coordinator.dispatch import recover
+    from overnight.coordinator.dispatch import RecoveryLead, lead_ttl, recover
     from overnight.coordinator.metrics import REAPER
     from overnight.worker.reaper import reap_once
 
@@ -109,7 +114,11 @@ def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> l
     REAPER.passes += 1
     REAPER.kills += len(report.actions)
     lines = [f"lease {a.lease_id}: {a.outcome}: {a.why}" for a in report.actions]
-    lines += recover(client, rq_conn, keys, settings)
+    lead = _leads.get((id(client), keys.namespace))
+    if lead is None:
+        lead = _leads[(id(client), keys.namespace)] = RecoveryLead(client, keys, lead_ttl(settings))
+    if lead.hold():
+        lines += recover(client, rq_conn, keys, settings)
     return lines
 
 
@@ -121,12 +130,11 @@ def run_coordinator(
     import sys
     import threading
 
-    import redis as redis_mod
-
     from overnight.config.connection import connect
     from overnight.config.context import settings as current
     from overnight.coordinator.states import SETTLED
     from overnight.coordinator.taskstore import TaskStore
+    from overnight.worker.clients import Backoff, transient
 
     settings = current()
     logging.basicConfig(
@@ -156,8 +164,10 @@ def run_coordinator(
     for task_id in submitted.known:
         log.info("namespace=%s task %s already known; not enqueued again", keys.namespace, task_id)
     store = TaskStore(client, keys)
-    down = False
+    # Redis away or refusing writes for a while (clients.transient): logged once, retried.
+    redis_state = Backoff(f"coordinator namespace={keys.namespace}", log, first=interval)
     while not stop.is_set():
+        wait = interval
         try:
             for line in maintain(client, rq_conn, settings):
                 log.info("namespace=%s %s", keys.namespace, line)
@@ -166,14 +176,12 @@ def run_coordinator(
                 if all(s in SETTLED for s in states):
                     log.info("namespace=%s every task has ended or paused", keys.namespace)
                     return 0
-            down = False
-        except (redis_mod.ConnectionError, redis_mod.TimeoutError) as exc:
-            if once:
+            redis_state.ok()
+        except Exception as exc:
+            if once or not transient(exc):
                 raise
-            if not down:
-                log.warning("Redis unreachable (%s); retrying", type(exc).__name__)
-            down = True
+            wait = max(interval, redis_state.failed(exc))
         if once:
             return 0
-        stop.wait(interval)
+        stop.wait(wait)
     return 0

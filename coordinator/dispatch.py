@@ -3,13 +3,16 @@
 One RQ job runs one attempt of one task (job id ``<task>-<run>-<attempt>``). A job only
 runs if its attempt is the task's current one and the task is queued, so a duplicate or
 stale job is harmless. A worker that dies stops renewing the task's claim; a recovery
-pass (:func:`recover`, run by every :class:`OvernightWorker` at start and every
-``recovery_interval``, and callable by a coordinator) then re-queues the task from its
-checkpoint, or pauses it when the step in flight had an unknown outcome.
+pass (:func:`recover`) then re-queues the task from its checkpoint, or pauses it when the
+step in flight had an unknown outcome. A pass reads the recovery index (claim expiries,
+queued tasks due a check), so its cost follows what changed, not how many tasks there are;
+it runs in the one process of the namespace that holds the recovery lead
+(:class:`RecoveryLead`): an :class:`OvernightWorker` or the coordinator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -17,13 +20,13 @@ import os
 import signal
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
 from rq import Queue, Worker
-from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 # Imported here so a forked work horse finds them loaded and starts each task at once.
@@ -33,7 +36,7 @@ from overnight.coordinator.judge import expired, lost_step
 from overnight.coordinator.logs import task_log_root
 from overnight.coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop
 from overnight.coordinator.rerun import step_may_run
-from overnight.coordinator.states import QUEUED, RUNNING
+from overnight.coordinator.states import QUEUED
 from overnight.coordinator.steps import StepRunner, supervised_runner
 from overnight.coordinator.taskstore import (
     Runner,
@@ -43,6 +46,8 @@ from overnight.coordinator.taskstore import (
     TaskStore,
     server_time,
 )
+from overnight.worker import receipts
+from overnight.worker.clients import Backoff, transient
 from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.procs import hostname, set_pdeathsig
 
@@ -57,9 +62,8 @@ redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 
 # RQ's own job timeout is the task's deadline plus this, so the task's deadline fires first.
 JOB_MARGIN = 120
-RESULT_TTL = 7 * 86_400
-# A queued task whose RQ job vanished (or ended) is re-enqueued once it has waited this long.
-QUEUED_GRACE = 30.0
+# How many ended leases a pass looks at for retention (oldest first).
+LEASE_PRUNE_BATCH = 200
 _TEXT_CLIENTS: dict[int, redis.Redis] = {}
 _TMP = tempfile.gettempdir()  # probed once here, not in every work horse
 
@@ -88,21 +92,29 @@ def job_timeout(rec: TaskRecord, now: float) -> int:
 
 
 def enqueue(
-    rq_conn: redis.Redis, records: Sequence[TaskRecord], namespace: str, now: float | None = None
+    rq_conn: redis.Redis,
+    records: Sequence[TaskRecord],
+    namespace: str,
+    now: float | None = None,
+    *,
+    retention: int | None = None,
 ) -> list[str]:
     """Put one RQ job per record (its current attempt) on the record's queue; returns job ids.
 
-    ``now`` is Redis server time (read here if not given)."""
+    ``now`` is Redis server time (read here if not given). The job and its result are kept
+    ``retention`` seconds once it ends (``OVERNIGHT_RETENTION`` unless given)."""
     if now is None:
         now = server_time(rq_conn)
+    if retention is None:
+        retention = current_settings().retention
     by_queue: dict[str, list[Any]] = {}
     for rec in records:
         data = Queue.prepare_data(
             perform_task,
             args=(namespace, rec.id, rec.attempt),
             timeout=job_timeout(rec, now),
-            result_ttl=RESULT_TTL,
-            failure_ttl=RESULT_TTL,
+            result_ttl=retention,
+            failure_ttl=retention,
             description=f"overnight task {rec.id} attempt {rec.attempt} [{namespace}]",
             job_id=rec.job_id(),
         )
@@ -195,7 +207,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
     keys = Keys(namespace)
     runner: StepRunner = supervised_runner(client, keys)
     loop = TaskLoop(
-        TaskStore(client, keys),
+        TaskStore(client, keys, retention=settings.retention),
         runner,
         envelope_consume(client, namespace, task_id, settings.request_id_ttl),
         loop_config(settings, namespace),
@@ -213,7 +225,9 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
         # already been ended through its lease. Hand the task to recovery now, not once
         # its claim lapses.
         try:
-            TaskStore(client, keys).drop_claim(task_id, attempt, who.pid)
+            TaskStore(client, keys, retention=settings.retention).drop_claim(
+                task_id, attempt, who.pid
+            )
             lines = recover(client, job.connection if job else client, keys, settings)
         except Exception as exc:  # the claim lapses anyway, and a later pass recovers it
             log.warning("task %s: recovery after the RQ job timeout failed: %s", task_id, exc)
@@ -236,14 +250,6 @@ def _detail(store: TaskStore, task_id: str) -> str:
     return rec.detail if rec is not None else ""
 
 
-def _job_gone(rq_conn: redis.Redis, job_id: str) -> bool:
-    try:
-        status = Job.fetch(job_id, connection=rq_conn).get_status(refresh=False)
-    except NoSuchJobError:
-        return True
-    return status in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
-
-
 def _readable(store: TaskStore, task_id: str) -> TaskRecord | None:
     """The task, or None if it is gone or unreadable (one bad record must not stop a pass)."""
     try:
@@ -251,6 +257,32 @@ def _readable(store: TaskStore, task_id: str) -> TaskRecord | None:
     except TaskCorrupt as exc:
         log.warning("%s; left alone", exc)
         return None
+
+
+def _records(store: TaskStore, task_ids: list[str]) -> list[TaskRecord]:
+    """The readable ones of ``task_ids``, in one round trip."""
+    pipe = store.client.pipeline(transaction=False)
+    for task_id in task_ids:
+        pipe.hgetall(store.keys.task(task_id))
+    out = []
+    for task_id, raw in zip(task_ids, pipe.execute(), strict=True):
+        if raw and "spec" in raw:
+            try:
+                out.append(TaskRecord.from_hash(raw))
+            except TaskCorrupt as exc:
+                log.warning("task %s: %s; left alone", task_id, exc)
+    return out
+
+
+def _gone_jobs(rq_conn: redis.Redis, job_ids: list[str]) -> set[str]:
+    """Those of ``job_ids`` whose RQ job is missing or has ended (one round trip)."""
+    ended = (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
+    jobs = Job.fetch_many(job_ids, connection=rq_conn)
+    return {
+        job_id
+        for job_id, job in zip(job_ids, jobs, strict=True)
+        if job is None or job.get_status(refresh=False) in ended
+    }
 
 
 def recover(
@@ -261,54 +293,110 @@ def recover(
     *,
     now: float | None = None,
 ) -> list[str]:
-    """One recovery pass over the namespace's tasks; returns one line per action taken.
+    """One recovery pass over the namespace's recovery index; returns one line per action.
 
-    A running task whose claim lapsed is re-queued from its checkpoint (``on_unknown =
-    "retry"``, or no step was in flight), paused (``"pause"`` with a step in flight, or
-    the lost-run cap reached) or expired (its deadline passed). A queued task whose
-    RQ job is missing or ended is enqueued again. ``now`` is Redis server time (read once
-    if not given), the clock every task time is written in.
+    A running task whose claim lapsed (by the claim index) is re-queued from its checkpoint
+    (``on_unknown = "retry"``, or no step was in flight), paused (``"pause"`` with a step in
+    flight, or the lost-run cap reached) or expired (its deadline passed). A queued task due
+    a check (queued longer than the grace, then once a grace) whose RQ job is missing or
+    ended is enqueued again. ``now`` is Redis server time (read once if not given), the
+    clock every task time is written in. The pass also ends what retention says is over
+    (task index entries of expired records, old receipts, ended leases' index entries).
     """
-    store = TaskStore(client, keys)
-    ids = store.ids()
-    pipe = client.pipeline(transaction=False)
-    for task_id in ids:
-        pipe.hmget(keys.task(task_id), "state", "updated_unix")
-        pipe.exists(keys.task_claim(task_id))
-    rows = pipe.execute()
+    store = TaskStore(client, keys, retention=settings.retention)
     now = store.now() if now is None else now
     actions: list[str] = []
     requeue: list[TaskRecord] = []
-    for i, task_id in enumerate(ids):
-        (state, updated), claimed = rows[2 * i], rows[2 * i + 1]
-        if state == RUNNING and not claimed:
-            rec = _readable(store, task_id)
-            if rec is None:
-                continue
-            cp, spec = rec.checkpoint, rec.spec
-            started = rec.started_unix
-            ended = None if started is None else expired(cp, spec, now, started + spec.deadline)
-            nxt = ended or lost_step(cp, spec.on_unknown, settings.max_lost_leases)
-            new, detail = nxt.state, nxt.detail
-            if new == QUEUED and step_may_run(client, keys, rec, settings.grace, now):
-                continue  # at most one live step per task: not while a lease of it may live
-            attempt = rec.attempt + 1 if new == QUEUED else rec.attempt
-            try:
-                store.orphan(rec, nxt, attempt)
-            except TaskRefused:
-                continue  # its worker came back, or another pass recovered it first
-            log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)
-            actions.append(f"{task_id}: {new}: {detail}")
-            if new == QUEUED:
-                requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
-        elif state == QUEUED and now - float(updated or 0) > QUEUED_GRACE:
-            rec = _readable(store, task_id)
-            if rec is not None and rec.state == QUEUED and _job_gone(rq_conn, rec.job_id()):
-                actions.append(f"{task_id}: re-enqueued attempt {rec.attempt}")
+    for task_id in store.lapsed_claims(int(now * 1000)):
+        rec = _readable(store, task_id)
+        if rec is None:
+            continue
+        cp, spec = rec.checkpoint, rec.spec
+        started = rec.started_unix
+        ended = None if started is None else expired(cp, spec, now, started + spec.deadline)
+        nxt = ended or lost_step(cp, spec.on_unknown, settings.max_lost_leases)
+        new, detail = nxt.state, nxt.detail
+        if new == QUEUED and step_may_run(client, keys, rec, settings.grace, now):
+            continue  # at most one live step per task: not while a lease of it may live
+        attempt = rec.attempt + 1 if new == QUEUED else rec.attempt
+        try:
+            # The script checks the claim lapsed and the task runs; a stale index entry (the
+            # task moved on) is dropped by it.
+            store.orphan(rec, nxt, attempt)
+        except TaskRefused:
+            continue  # its worker came back, or another pass recovered it first
+        log.warning("task %s: worker lost; now %s: %s", task_id, new, detail)
+        actions.append(f"{task_id}: {new}: {detail}")
+        if new == QUEUED:
+            requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
+    due = store.queued_due(now)
+    if due:
+        queued = [rec for rec in _records(store, due) if rec.state == QUEUED]
+        gone = _gone_jobs(rq_conn, [rec.job_id() for rec in queued]) if queued else set()
+        for rec in queued:
+            if rec.job_id() in gone:
+                actions.append(f"{rec.id}: re-enqueued attempt {rec.attempt}")
                 requeue.append(rec)
+        store.queued_checked(due, now)
     if requeue:
-        enqueue(rq_conn, requeue, keys.namespace, now)
+        enqueue(rq_conn, requeue, keys.namespace, now, retention=settings.retention)
+    forgotten = store.forget_expired(now)
+    if forgotten:
+        actions.append(f"retention: {forgotten} ended task(s) forgotten")
+    receipts.trim_by_age(client, keys, settings.retention, now)
+    _forget_leases(client, keys, settings.retention, now)
     return actions
+
+
+def _forget_leases(client: redis.Redis, keys: Keys, retention: float, now: float) -> int:
+    """Drop ended leases whose document expired from the lease list (oldest first, a batch
+    per pass); returns how many went."""
+    cutoff = int((now - retention) * 1000)
+    old = [str(x) for x in client.zrangebyscore(keys.leases, "-inf", cutoff, 0,
+                                                LEASE_PRUNE_BATCH)]  # fmt: skip
+    if not old:
+        return 0
+    pipe = client.pipeline(transaction=False)
+    for lease_id in old:
+        pipe.exists(keys.lease(lease_id))
+    gone = [lease_id for lease_id, there in zip(old, pipe.execute(), strict=True) if not there]
+    if gone:
+        client.zrem(keys.leases, *gone)
+    return len(gone)
+
+
+@functools.cache
+def _lead_source() -> str:
+    from importlib import resources
+
+    return resources.files("overnight.coordinator").joinpath("lua", "recovery_lead.lua").read_text()
+
+
+class RecoveryLead:
+    """The recovery lead of a namespace: at most one process holds it (a key with a TTL
+    and this process's token); whoever holds it runs the passes, the others do not. A
+    holder that dies or stalls loses it after ``ttl`` seconds and another takes over."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, ttl: float) -> None:
+        self.client, self.keys, self.ttl = client, keys, ttl
+        self.token = f"{hostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._script = client.register_script(_lead_source())
+
+    def hold(self) -> bool:
+        """Take or renew the lead; True if this process leads now."""
+        ms = max(1000, int(self.ttl * 1000))
+        return bool(self._script(keys=[self.keys.recovery_leader], args=[self.token, ms]))
+
+    def release(self) -> None:
+        """Give the lead up (best effort: it lapses anyway)."""
+        with contextlib.suppress(Exception):
+            if self.client.get(self.keys.recovery_leader) == self.token:
+                self.client.delete(self.keys.recovery_leader)
+
+
+def lead_ttl(settings: Settings) -> float:
+    """How long the recovery lead outlives its last renewal: three passes."""
+    return max(3.0, 3 * settings.recovery_interval)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -326,8 +414,11 @@ class OvernightWorker(Worker):
 
     ``rq worker -w overnight.coordinator.dispatch.OvernightWorker`` runs it too.
 
-        It runs :func:`recover` at start and every ``OVERNIGHT_RECOVERY_INTERVAL`` seconds
-        while idle, and its work horse dies with it.
+    It runs a :func:`recover` pass at start, then, while idle, tries for the namespace's
+    recovery lead every ``OVERNIGHT_RECOVERY_INTERVAL`` seconds and runs a pass when it
+    holds it; its work horse dies with it. A Redis that is away or refuses writes for a while
+    (connection loss, OOM at maxmemory, LOADING, MISCONF, READONLY) never ends it: it logs
+    once, backs off and goes on where it was.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -336,6 +427,8 @@ class OvernightWorker(Worker):
         set_dumpable(False)  # `rq worker -w ...` does not come through overnight's CLI
         super().__init__(*args, **kwargs)
         self._last_recovery: float | None = None
+        self._lead: RecoveryLead | None = None
+        self._redis = Backoff(f"worker {self.name}", log)
 
     @property
     def dequeue_timeout(self) -> int:
@@ -350,22 +443,98 @@ class OvernightWorker(Worker):
         last = self._last_recovery
         return last is None or time.monotonic() - last >= current_settings().recovery_interval
 
+    # --- Redis errors are transient: RQ's loop would quit on them ----------------------------
+    def _stalled(self, exc: Exception) -> None:
+        """A transient Redis error in the work loop: log (once per stall), wait, go on."""
+        wait = self._redis.failed(exc)
+        deadline = time.monotonic() + wait
+        while not self._stop_requested and time.monotonic() < deadline:
+            time.sleep(min(0.1, wait))
+
+    def check_for_suspension(self, burst: bool) -> None:
+        try:
+            super().check_for_suspension(burst)
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            self._stalled(exc)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        try:
+            super().heartbeat(timeout, pipeline)
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            self._stalled(exc)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        while True:
+            try:
+                found = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                self._stalled(exc)
+                if self._stop_requested:
+                    return None
+                continue
+            self._redis.ok()
+            return found
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            super().execute_job(job, queue)
+        except Exception as exc:
+            # The horse ran (or not) and the task's own writes tell which; its claim lapses
+            # if nobody holds it, and recovery takes it from there.
+            if not transient(exc):
+                raise
+            self._stalled(exc)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            self.log.warning("worker %s: could not unregister: %s", self.name, exc)
+        if self._lead is not None:
+            self._lead.release()
+
     def run_maintenance_tasks(self) -> None:
         if super().should_run_maintenance_tasks:
-            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+            try:
+                super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                self._stalled(exc)
         if self._recovery_due():
             self._last_recovery = time.monotonic()
             self.recover_tasks()
 
     def recover_tasks(self) -> list[str]:
-        """One recovery pass for this worker's namespace; never raises."""
+        """One recovery pass for this worker's namespace if it holds the recovery lead;
+        never raises."""
         settings = current_settings()
+        client = text_client(self.connection)
+        keys = Keys(settings.namespace)
+        first = self._lead is None
+        if self._lead is None:
+            self._lead = RecoveryLead(client, keys, lead_ttl(settings))
         try:
-            actions = recover(
-                text_client(self.connection), self.connection, Keys(settings.namespace), settings
-            )
+            # The start-up pass runs whoever leads (a worker started to clear up after a
+            # dead one need not wait for the dead one's lead to lapse); later ones need it.
+            if not self._lead.hold() and not first:
+                return []
+            actions = recover(client, self.connection, keys, settings)
         except Exception as exc:
-            self.log.warning("recovery pass failed: %s: %s", type(exc).__name__, exc)
+            if transient(exc):
+                self._redis.failed(exc)
+            else:
+                self.log.warning("recovery pass failed: %s: %s", type(exc).__name__, exc)
             return []
         for line in actions:
             self.log.info("recovery: %s", line)
@@ -382,7 +551,8 @@ class OvernightWorker(Worker):
             client = text_client(self.connection)
             keys = Keys(str(namespace))
             try:
-                TaskStore(client, keys).drop_claim(str(task_id), int(attempt), retpid)
+                store = TaskStore(client, keys, retention=settings.retention)
+                store.drop_claim(str(task_id), int(attempt), retpid)
             except TaskRefused:
                 return  # the claim was not that horse's (any more): nothing to recover
             self.log.warning("task %s: work horse %s died mid-task", task_id, retpid)

@@ -27,6 +27,9 @@ from overnight.worker.tree import Tree, end_tree
 
 log = logging.getLogger("overnight.up")
 UP_TAG = "OVERNIGHT_UP_ID"
+# A member that dies is started again, at most this many times in this many seconds.
+MAX_RESTARTS = 5
+RESTART_WINDOW = 300.0
 
 
 class _Tagged(Tree):
@@ -50,6 +53,9 @@ class Stack:
     up_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     redis: EmbeddedRedis | None = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    argvs: dict[str, list[str]] = field(default_factory=dict)
+    restarts: dict[str, list[float]] = field(default_factory=dict)
+    given_up: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.env = {**self.env, UP_TAG: self.up_id}
@@ -81,9 +87,33 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.procs = [(n, p) for n, p in self.procs if n != name]
         self.procs.append((name, proc))
+        self.argvs[name] = argv
         log.info("started %s (pid %d)", name, proc.pid)
         return proc
+
+    def restart_dead(self) -> list[str]:
+        """Start again each member that exited on its own (at most ``MAX_RESTARTS`` times in
+        ``RESTART_WINDOW`` seconds each); returns one line per member restarted or given up."""
+        lines = []
+        now = time.monotonic()
+        for name, proc in list(self.procs):
+            code = proc.poll()
+            if code is None or name in self.given_up:
+                continue
+            recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW]
+            log_file = self.state_dir / "logs" / f"{name}.log"
+            if len(recent) >= MAX_RESTARTS:
+                self.given_up.add(name)
+                why = f"{len(recent)} times in {RESTART_WINDOW:.0f}s; not restarted again"
+                lines.append(f"{name} exited (code {code}) {why}; see {log_file}")
+                continue
+            self.restarts[name] = [*recent, now]
+            new = self.spawn(name, self.argvs[name])
+            lines.append(f"{name} exited (code {code}); restarted as pid {new.pid} "
+                         f"({len(recent) + 1}/{MAX_RESTARTS}); see {log_file}")  # fmt: skip
+        return lines
 
     def reap_orphans(self) -> None:
         """Collect exited orphans re-parented to us (``up`` is a subreaper), never a member:

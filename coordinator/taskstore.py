@@ -9,6 +9,7 @@ appended by the same script as the change, so the stream never disagrees with th
 
 from __future__ import annotations
 
+import logging
 import uuid
 from functools import cache
 from importlib import resources
@@ -32,6 +33,7 @@ from overnight.coordinator.taskrecord import (
     Verdict,
     receipt_body,
 )
+from overnight.worker.clients import not_run, retry_transient
 from overnight.worker.receipts import STREAM_MAXLEN
 
 if TYPE_CHECKING:
@@ -139,21 +141,62 @@ _SCRIPTS = (
     "resume",
     "abort",
     "drop_claim",
+    "forget",
 )
+# A queued task's RQ job is first checked by recovery this long after it was queued, then
+# again every as long (its job may simply not have been taken yet).
+QUEUED_GRACE = 30.0
+DEFAULT_RETENTION = 604_800
+# How long a write the server refused to run (OOM, LOADING...) is tried again before the
+# refusal is raised to the caller.
+WRITE_PATIENCE = 60.0
+log = logging.getLogger("overnight.taskstore")
 
 
 class TaskStore:
     """Reads and atomic writes of task records in one namespace."""
 
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        retention: int | None = None,
+        queued_grace: float = QUEUED_GRACE,
+        patience: float = WRITE_PATIENCE,
+    ) -> None:
         self.client = client
         self.keys = keys
+        self._retention = retention
+        self.queued_grace = queued_grace
+        self.patience = patience
         self._scripts: dict[str, Script] = {
             name: client.register_script(_source(name)) for name in _SCRIPTS
         }
 
+    @property
+    def retention(self) -> int:
+        """Seconds an ended task's record is kept (``OVERNIGHT_RETENTION`` unless given)."""
+        if self._retention is None:
+            from overnight.config.context import settings
+
+            try:
+                self._retention = settings().retention
+            except Exception:  # a bad setting is reported by whoever loads it first
+                self._retention = DEFAULT_RETENTION
+        return self._retention
+
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._scripts[name](keys=keys, args=args)
+        # A script the server refused to run (OOM at maxmemory, LOADING, READONLY...) is run
+        # again once it can: the refusal means nothing was written.
+        script = self._scripts[name]
+        return retry_transient(
+            lambda: script(keys=keys, args=args),
+            f"task script {name}",
+            log,
+            patience=self.patience,
+            when=not_run,
+        )
 
     # --- reading -----------------------------------------------------------------------
     def now(self) -> float:
@@ -195,8 +238,13 @@ class TaskStore:
     # --- writing -----------------------------------------------------------------------
     def create(self, specs: list[TaskSpec], queue: str) -> list[TaskRecord]:
         """Create all tasks (ids generated where absent) or none; raises :class:`TaskIdTaken`."""
-        keys: list[str] = [self.keys.tasks, self.keys.receipts]
-        args: list[Any] = [STREAM_MAXLEN]
+        keys: list[str] = [
+            self.keys.tasks,
+            self.keys.receipts,
+            self.keys.task_queued,
+            self.keys.tasks_ended,
+        ]
+        args: list[Any] = [STREAM_MAXLEN, self.queued_grace]
         filled = []
         for spec in specs:
             task_id = spec.id or f"task-{uuid.uuid4().hex[:10]}"
@@ -239,7 +287,13 @@ class TaskStore:
         body = receipt_body(task_id, state=RUNNING, attempt=attempt, worker=runner.worker)
         result = self._run(
             "claim",
-            [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
+            [
+                self.keys.task(task_id),
+                self.keys.task_claim(task_id),
+                self.keys.receipts,
+                self.keys.task_claims,
+                self.keys.task_queued,
+            ],
             [
                 attempt,
                 token,
@@ -247,6 +301,7 @@ class TaskStore:
                 runner.model_dump_json(),
                 STREAM_MAXLEN,
                 body,
+                task_id,
             ],
         )
         _checked(task_id, result)
@@ -257,7 +312,11 @@ class TaskStore:
 
     def renew(self, task_id: str, token: str, ttl: float) -> None:
         """Extend the claim held under ``token``; raises :class:`TaskRefused` (lost)."""
-        result = self._run("renew", [self.keys.task_claim(task_id)], [token, int(ttl * 1000)])
+        result = self._run(
+            "renew",
+            [self.keys.task_claim(task_id), self.keys.task_claims],
+            [token, int(ttl * 1000), task_id],
+        )
         _checked(task_id, result)
 
     def save(self, rec: TaskRecord, token: str, nxt: Next) -> float:
@@ -274,6 +333,8 @@ class TaskStore:
             nxt.state.value,
             nxt.detail,
             STREAM_MAXLEN,
+            rec.id,
+            self.retention,
         ]
         for event in nxt.events:
             args += [event.kind, receipt_body(rec.id, event.lease_id, **event.data)]
@@ -290,7 +351,14 @@ class TaskStore:
             args += ["task_state", body]
         result = self._run(
             "save",
-            [self.keys.task(rec.id), self.keys.task_claim(rec.id), self.keys.receipts],
+            [
+                self.keys.task(rec.id),
+                self.keys.task_claim(rec.id),
+                self.keys.receipts,
+                self.keys.task_claims,
+                self.keys.tasks_ended,
+                self.keys.task_charged(rec.id),
+            ],
             args,
         )
         return float(_checked(rec.id, result)[1])
@@ -323,8 +391,9 @@ class TaskStore:
     def drop_claim(self, task_id: str, attempt: int, runner_pid: int) -> None:
         """Drop the claim held by a work horse known to be dead (``runner_pid``). Raises
         :class:`TaskRefused`: state, stale-attempt, not-runner or lost."""
-        keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
-        _checked(task_id, self._run("drop_claim", keys, [attempt, runner_pid, RUNNING.value]))
+        keys = [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.task_claims]
+        args = [attempt, runner_pid, RUNNING.value, task_id]
+        _checked(task_id, self._run("drop_claim", keys, args))
 
     def orphan(self, rec: TaskRecord, nxt: Next, attempt: int) -> None:
         """Move a running task whose claim lapsed (read as ``rec``) to ``nxt`` under
@@ -333,7 +402,15 @@ class TaskStore:
         body = receipt_body(rec.id, state=state, detail=detail, attempt=attempt, recovered=True)
         result = self._run(
             "orphan",
-            [self.keys.task(rec.id), self.keys.task_claim(rec.id), self.keys.receipts],
+            [
+                self.keys.task(rec.id),
+                self.keys.task_claim(rec.id),
+                self.keys.receipts,
+                self.keys.task_claims,
+                self.keys.task_queued,
+                self.keys.tasks_ended,
+                self.keys.task_charged(rec.id),
+            ],
             [
                 rec.attempt,
                 state.value,
@@ -342,6 +419,9 @@ class TaskStore:
                 attempt,
                 STREAM_MAXLEN,
                 body,
+                rec.id,
+                self.queued_grace,
+                self.retention,
             ],
         )
         _checked(rec.id, result)
@@ -353,13 +433,15 @@ class TaskStore:
         body = receipt_body(rec.id, state=QUEUED, attempt=attempt, reconciled="resume")
         result = self._run(
             "resume",
-            [self.keys.task(rec.id), self.keys.receipts],
+            [self.keys.task(rec.id), self.keys.receipts, self.keys.task_queued],
             [
                 rec.attempt,
                 checkpoint.model_dump_json(),
                 attempt,
                 STREAM_MAXLEN,
                 body,
+                rec.id,
+                self.queued_grace,
             ],
         )
         _checked(rec.id, result)
@@ -369,7 +451,44 @@ class TaskStore:
         body = receipt_body(task_id, state=State.ABORTED, detail=detail, reconciled="abort")
         result = self._run(
             "abort",
-            [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.receipts],
-            [detail, STREAM_MAXLEN, body],
+            [
+                self.keys.task(task_id),
+                self.keys.task_claim(task_id),
+                self.keys.receipts,
+                self.keys.task_claims,
+                self.keys.task_queued,
+                self.keys.tasks_ended,
+                self.keys.task_charged(task_id),
+            ],
+            [detail, STREAM_MAXLEN, body, task_id, self.retention],
         )
         _checked(task_id, result)
+
+    # --- the recovery index and retention ---------------------------------------------
+    def lapsed_claims(self, now_ms: int, limit: int = 1000) -> list[str]:
+        """Running tasks whose claim lapsed by ``now_ms`` (server ms), by the claim index."""
+        rows = self.client.zrangebyscore(self.keys.task_claims, "-inf", now_ms, 0, limit)
+        return [str(x) for x in rows]
+
+    def queued_due(self, now: float, limit: int = 500) -> list[str]:
+        """Queued tasks whose RQ job recovery should check by ``now`` (server seconds)."""
+        rows = self.client.zrangebyscore(self.keys.task_queued, "-inf", now, 0, limit)
+        return [str(x) for x in rows]
+
+    def queued_checked(self, task_ids: list[str], now: float) -> None:
+        """Push the next check of these queued tasks one grace past ``now`` (only those
+        still in the queued index: a task claimed meanwhile is not put back)."""
+        if task_ids:
+            due = now + self.queued_grace
+            self.client.zadd(self.keys.task_queued, dict.fromkeys(task_ids, due), xx=True)
+
+    def forget_expired(self, now: float, limit: int = 1000) -> int:
+        """Drop tasks whose retention is over (their record expired) from the task index;
+        returns how many. Reads only those ended longer ago than the retention."""
+        cutoff = now - self.retention
+        ids = [str(x) for x in self.client.zrangebyscore(self.keys.tasks_ended, "-inf",
+                                                         cutoff, 0, limit)]  # fmt: skip
+        if not ids:
+            return 0
+        keys = [self.keys.tasks, self.keys.tasks_ended, *(self.keys.task(i) for i in ids)]
+        return int(self._run("forget", keys, ids))

@@ -292,6 +292,7 @@ def _watch(
 
     from overnight.coordinator.control import maintain
     from overnight.coordinator.states import SETTLED
+    from overnight.worker.clients import Backoff, transient
     from overnight.worker.envelope import CallEnvelope
 
     console = Console(file=out)
@@ -299,7 +300,7 @@ def _watch(
     plain = PlainProgress()
     started = time.monotonic()
     next_maintain = 0.0
-    warned: set[str] = set()
+    redis_state = Backoff("up", log)
     live = (
         Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
     )
@@ -308,21 +309,25 @@ def _watch(
     try:
         while not stopper.event.is_set():
             now = time.monotonic()
-            _renew_instance(lock, keys)
-            if now >= next_maintain:
-                next_maintain = now + MAINTAIN_SEC
-                for line in maintain(client, rq_conn, settings):
-                    log.info("coordinator: %s", line)
             stack.reap_orphans()
-            for name in stack.dead_members():
-                if name not in warned:
-                    warned.add(name)
-                    print(f"overnight: {name} exited; see {opts.state_dir / 'logs' / name}.log",
-                          file=sys.stderr)  # fmt: skip
-            records = [r for r in (store.get(i) for i in ids) if r is not None]
-            rows = task_rows(client, keys, records)
+            for line in stack.restart_dead():
+                print(f"overnight: {line}", file=sys.stderr)
+            try:
+                _renew_instance(lock, keys)
+                if now >= next_maintain:
+                    next_maintain = now + MAINTAIN_SEC
+                    for line in maintain(client, rq_conn, settings):
+                        log.info("coordinator: %s", line)
+                records = [r for r in (store.get(i) for i in ids) if r is not None]
+                rows = task_rows(client, keys, records)
+                remaining = envelope.snapshot().remaining if live is not None else 0
+            except Exception as exc:
+                if not transient(exc):  # Redis away or full for a while: wait, go on
+                    raise
+                stopper.event.wait(redis_state.failed(exc))
+                continue
+            redis_state.ok()
             if live is not None:
-                remaining = envelope.snapshot().remaining
                 live.update(table(rows, "default", remaining, now - started), refresh=True)
             else:
                 for line in plain.changes(rows):

@@ -4,12 +4,17 @@ Redis URL: it beats through worker.beatchannel.)"""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import redis
+
+T = TypeVar("T")
 
 
 def io_timeout(gap: float) -> float:
@@ -99,7 +104,126 @@ _TLS_USUAL = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}  # redis-
 
 
 def redis_errors() -> tuple[type[BaseException], ...]:
-    """What a lost or unreachable Redis raises (redis-py imported only when asked)."""
+    """What a lost, unreachable or momentarily unwritable Redis raises (redis-py imported
+    only when asked): connection loss, LOADING, OOM (maxmemory), READONLY, MASTERDOWN,
+    TRYAGAIN. MISCONF has no class of its own: :func:`transient` knows it by its text."""
+    import redis
+    from redis import exceptions as ex
+
+    return (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        OSError,
+        ex.OutOfMemoryError,
+        ex.ReadOnlyError,
+        ex.MasterDownError,
+        ex.TryAgainError,
+    )
+
+
+# Error replies of a server that is there but cannot take the command now (a script's
+# error text carries the reply of the command inside it, hence the search, not a prefix).
+_TRANSIENT_REPLIES = ("OOM ", "MISCONF ", "LOADING ", "READONLY ", "MASTERDOWN ", "TRYAGAIN ")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Redis error that passes on its own: every long-running loop
+    logs it once, backs off and retries, and never exits on it."""
     import redis
 
-    return (redis.ConnectionError, redis.TimeoutError, OSError)
+    if isinstance(exc, redis_errors()):
+        return True
+    if isinstance(exc, redis.ResponseError):
+        text = str(exc)
+        return text.startswith(_TRANSIENT_REPLIES) or any(
+            f"-{word}" in text or f": {word}" in text for word in _TRANSIENT_REPLIES
+        )
+    return False
+
+
+def not_run(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal the server gave before running the command (so running
+    it again cannot do it twice): OOM, MISCONF, LOADING, READONLY, MASTERDOWN, TRYAGAIN.
+    A lost connection is not one: the command may have run."""
+    import redis
+    from redis import exceptions as ex
+
+    refusals = (ex.OutOfMemoryError, ex.ReadOnlyError, ex.BusyLoadingError, ex.MasterDownError,
+                ex.TryAgainError)  # fmt: skip
+    if isinstance(exc, refusals):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+
+
+class Backoff:
+    """Retry pacing for one loop: the first failure of a run of failures is logged (one
+    line), the waits double from ``first`` to ``cap``, and the first success after failures
+    says so once."""
+
+    def __init__(self, what: str, logger: logging.Logger, *, first: float = 0.1,
+                 cap: float = 5.0) -> None:  # fmt: skip
+        self.what, self.log, self.first, self.cap = what, logger, first, cap
+        self.failures = 0
+        self.since = 0.0
+
+    @property
+    def failing(self) -> bool:
+        return self.failures > 0
+
+    def failed(self, exc: BaseException) -> float:
+        """Record a transient failure; returns how long to wait before the next try."""
+        if self.failures == 0:
+            self.since = time.monotonic()
+            self.log.warning("%s: Redis unavailable (%s: %s); retrying with backoff",
+                             self.what, type(exc).__name__, _short(exc))  # fmt: skip
+        self.failures += 1
+        return float(min(self.cap, self.first * 2.0 ** (self.failures - 1)))
+
+    def ok(self) -> None:
+        """Record a success: ends a run of failures (logged once)."""
+        if self.failures:
+            self.log.warning("%s: Redis available again after %.1fs (%d failed tries)",
+                             self.what, time.monotonic() - self.since, self.failures)  # fmt: skip
+        self.failures = 0
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return text[:200]
+
+
+def retry_transient(
+    fn: Callable[[], T],
+    what: str,
+    logger: logging.Logger,
+    *,
+    stop: threading.Event | None = None,
+    patience: float | None = None,
+    first: float = 0.1,
+    cap: float = 5.0,
+    when: Callable[[BaseException], bool] = transient,
+) -> T:
+    """``fn()``, retried with :class:`Backoff` while it raises an error ``when`` accepts (by
+    default a :func:`transient` one).
+
+    Gives up (re-raising the last error) once ``patience`` seconds passed or ``stop`` is set;
+    any other error is raised at once."""
+    backoff = Backoff(what, logger, first=first, cap=cap)
+    began = time.monotonic()
+    while True:
+        try:
+            result = fn()
+        except Exception as exc:
+            if not when(exc):
+                raise
+            wait = backoff.failed(exc)
+            out_of_time = patience is not None and time.monotonic() - began + wait > patience
+            if out_of_time or (stop is not None and stop.is_set()):
+                raise
+            if stop is not None:
+                stop.wait(wait)
+            else:
+                time.sleep(wait)
+            continue
+        backoff.ok()
+        return result

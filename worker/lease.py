@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -30,8 +31,17 @@ if TYPE_CHECKING:
 Status = Literal["running", "done", "expired", "killed"]
 STATUSES: frozenset[str] = frozenset({"running", "done", "expired", "killed"})
 TERMINAL: frozenset[str] = frozenset({"done", "expired", "killed"})
+
+
+def _retention() -> int:
+    # OVERNIGHT_RETENTION, read without the settings model (it loads pydantic); a bad value
+    # is reported by the command's own settings check, so the default stands in here.
+    raw = os.environ.get("OVERNIGHT_RETENTION", "")
+    return int(raw) if raw.strip().isdigit() and int(raw) > 0 else 7 * 86_400
+
+
 # Ended lease documents stay readable this long (`overnight lease show`), then expire.
-RETENTION_SEC = 7 * 86_400
+RETENTION_SEC = _retention()
 # Same cap as worker.receipts.STREAM_MAXLEN (a test keeps them equal); not imported from
 # there because that module loads pydantic.
 STREAM_MAXLEN = 1_000_000

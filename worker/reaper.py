@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from overnight.config.keys import Keys
 from overnight.worker import cgroup, procs, proof, receipts
+from overnight.worker.clients import Backoff, transient
 from overnight.worker.lease import LeaseCorrupt, LeaseDoc, Leases
 from overnight.worker.procs import lease_tag
+from overnight.worker.reaper_listen import Listener
 from overnight.worker.reaper_rule import Decision, Facts, decide
 from overnight.worker.reaper_trees import Target, kill_trees, observe
 from overnight.worker.scripts import register
@@ -300,40 +302,37 @@ def run(
     host_ttl: float,
     stop: threading.Event,
     once: bool = False,
+    listen: bool = True,
 ) -> None:
     """Pass every ``interval`` seconds until ``stop`` is set (or once).
 
-    A Redis outage is logged once and retried; any other failure of a pass is logged with
-    its traceback and the next pass runs anyway (a reaper that dies helps nobody). With
-    ``once`` every failure is raised.
+    A Redis that is away or refuses writes for a while (:func:`clients.transient`: lost
+    connection, OOM at maxmemory, LOADING, MISCONF, READONLY) is logged once and retried;
+    any other failure of a pass is logged with its traceback and the next pass runs anyway
+    (a reaper that dies helps nobody). With ``once`` every failure is raised. With ``listen`` a lapsed liveness key (a keyspace
+    event, :mod:`worker.reaper_listen`) starts a pass at once; the timed passes stay.
     """
-    import redis as redis_mod
-
-    down = False
+    ear = Listener(client, keys, stop).start() if listen and not once else None
+    redis_state = Backoff(f"host={procs.hostname()} reaper", log, first=interval, cap=30.0)
     while not stop.is_set():
         began = time.monotonic()
+        wait = interval
         try:
             report = reap_once(client, keys, grace=grace, host_ttl=host_ttl, stop=stop)
-        except (redis_mod.ConnectionError, redis_mod.TimeoutError) as exc:
+        except Exception as exc:
             if once:
                 raise
-            if not down:
-                log.warning("host=%s Redis unreachable (%s); retrying every %.1fs",
-                            procs.hostname(), type(exc).__name__, interval)  # fmt: skip
-            down = True
-        except Exception:
-            if once:
-                raise
-            log.exception("host=%s reaper pass failed; next pass in %.1fs",
-                          procs.hostname(), interval)  # fmt: skip
+            if transient(exc):
+                wait = max(interval, redis_state.failed(exc))
+            else:
+                log.exception("host=%s reaper pass failed; next pass in %.1fs",
+                              procs.hostname(), interval)  # fmt: skip
         else:
-            if down:
-                log.info("host=%s Redis reachable again", procs.hostname())
-                down = False
+            redis_state.ok()
             log.debug("%s", report.summary())
         if once:
             return
-        stop.wait(max(0.0, interval - (time.monotonic() - began)))
+        (stop.wait if ear is None else ear.wait)(max(0.0, wait - (time.monotonic() - began)))
 
 
 def _parse(lease_id: str, raw: dict[Any, Any]) -> LeaseDoc | None:

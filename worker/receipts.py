@@ -39,6 +39,7 @@ KINDS = (
     "step_finished",
     "call_refused",
     "task_stuck",
+    "model_call",
 )
 
 
@@ -69,6 +70,14 @@ def append(client: redis.Redis, keys: Keys, receipt: Receipt) -> str:
         approximate=True,
     )
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def trim_by_age(client: redis.Redis, keys: Keys, retention: float, now: float) -> int:
+    """Drop receipts older than ``retention`` seconds at ``now`` (Redis server time), as
+    well as the count cap every append keeps; returns how many entries went (approximate
+    trimming: whole stream nodes, so a few older ones may stay a while)."""
+    min_id = f"{max(0, int((now - retention) * 1000))}-0"
+    return int(client.xtrim(keys.receipts, minid=min_id, approximate=True))
 
 
 def emit(
