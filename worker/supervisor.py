@@ -16,7 +16,6 @@ The parts: :mod:`worker.child` (the child and its tree), :mod:`worker.output` (i
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -27,7 +26,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker import cgroup, gateway_grant, outcome, procs, proof, stepenv, stepuser, tree
+from overnight.worker import (
+    cgroup,
+    gateway_grant,
+    leasefile,
+    outcome,
+    procs,
+    proof,
+    stepenv,
+    stepuser,
+    tree,
+)
 from overnight.worker.beatchannel import Beat, Channel
 from overnight.worker.child import Child, subreaper
 from overnight.worker.clients import (
@@ -165,6 +174,7 @@ class _Run:
         self.keeper: Keeper
         self.lease_id = ""
         self.gateway_token: str | None = None
+        self.watch: leasefile.LeaseFileWatch | None = None
 
     def run(self) -> SupervisedResult:
         started = time.monotonic()
@@ -224,6 +234,9 @@ class _Run:
                     self.child.ticks, self.group.path if self.group else None)  # fmt: skip
         self.keeper.attach(self.child.pid, self.child.ticks)
         self._mirror(self.keeper.doc)
+        if spec.lease_file:  # the child may beat by rewriting it (worker.leasefile)
+            every, seen = self.keeper.min_interval, self.keeper.doc.public()
+            self.watch = leasefile.LeaseFileWatch(spec.lease_file, every, seen, time.monotonic())
         return self._loop(self.child)
 
     def _loop(self, child: Child) -> Outcome:
@@ -240,6 +253,8 @@ class _Run:
             wake = keeper.next_wake()
             if self.note is not None:
                 wake = min(wake, self.note_at)
+            if self.watch is not None:
+                wake = min(wake, self.watch.next_check)
             events = poller.poll(math.ceil(max(0.0, wake - time.monotonic()) * 1000))
             fds = {fd for fd, _ in events}
             if child.pidfd in fds:
@@ -257,6 +272,10 @@ class _Run:
                         keeper.beat_pending = True
                         if beat.note is not None:
                             self.note = beat.note
+            asked = self.watch.poll(time.monotonic()) if self.watch is not None else None
+            if asked is not None:
+                keeper.beat_pending = keeper.beat_pending or asked.beat
+                self.note = asked.note if asked.note is not None else self.note
             if self.note is not None and time.monotonic() >= self.note_at:
                 self._write_note()
             ended = keeper.tick(time.monotonic())
@@ -395,12 +414,11 @@ class _Run:
         path = self.spec.lease_file
         if not path:
             return
-        tmp = f"{path}.{os.getpid()}.tmp"
+        public = doc.public()
         try:
-            with open(tmp, "w") as fh:
-                json.dump(doc.public(), fh, indent=2)
-                fh.write("\n")
-            os.replace(tmp, path)
+            leasefile.write(path, public)
+            if self.watch is not None:
+                self.watch.wrote(public)
         except OSError as exc:
             log.warning("lease=%s host=%s: cannot write %s: %s", self.lease_id, self.host,
                         path, exc)  # fmt: skip
