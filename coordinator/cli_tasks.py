@@ -17,6 +17,7 @@ from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandErr
 from overnight.config.spawn import overnight_argv
 
 if TYPE_CHECKING:
+    from overnight.config.settings import Settings
     from overnight.coordinator.taskstore import TaskRecord, TaskStore
 
 
@@ -170,6 +171,7 @@ def worker_command(
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None
+    gateway = _start_gateway(settings())
     try:
         while True:
             try:
@@ -190,6 +192,9 @@ def worker_command(
         if reaper is not None:
             reaper.terminate()
             reaper.wait(30)
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(30)
 
 
 def _start_reaper() -> subprocess.Popen[bytes]:
@@ -199,6 +204,35 @@ def _start_reaper() -> subprocess.Popen[bytes]:
 
     return subprocess.Popen(
         overnight_argv("reaper"),
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: set_pdeathsig(signal.SIGTERM),
+    )
+
+
+def _start_gateway(cfg: Settings) -> subprocess.Popen[bytes] | None:
+    """This host's ``overnight gateway`` as a child that gets SIGTERM if this worker dies;
+    None when no upstream is configured or a gateway already answers on its port."""
+    import contextlib
+    import socket
+
+    from overnight.coordinator.dispatch import gateway_wanted
+    from overnight.worker.procs import set_pdeathsig
+
+    if not gateway_wanted(cfg):
+        return None
+    with (
+        contextlib.suppress(OSError),
+        socket.create_connection(
+            (
+                cfg.gateway_host if cfg.gateway_host not in ("0.0.0.0", "::") else "127.0.0.1",
+                cfg.gateway_port,
+            ),
+            timeout=0.5,
+        ),
+    ):
+        return None  # one gateway per host: another worker's is serving
+    return subprocess.Popen(
+        overnight_argv("gateway"),
         stdin=subprocess.DEVNULL,
         preexec_fn=lambda: set_pdeathsig(signal.SIGTERM),
     )

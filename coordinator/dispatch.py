@@ -32,6 +32,7 @@ from rq.job import Job, JobStatus
 # Imported here so a forked work horse finds them loaded and starts each task at once.
 from overnight.config.context import settings as current_settings
 from overnight.config.keys import Keys
+from overnight.config.settings import gateway_base
 from overnight.coordinator.judge import expired, lost_step
 from overnight.coordinator.logs import task_log_root
 from overnight.coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop
@@ -142,9 +143,15 @@ def model_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def gateway_wanted(settings: Settings) -> bool:
+    """A host runs a gateway (and steps get its token) once an upstream is configured."""
+    return bool(settings.model_url or settings.anthropic_url)
+
+
 def loop_config(settings: Settings, namespace: str) -> LoopConfig:
     return LoopConfig(
         model_env=model_env(settings),
+        gateway_url=gateway_base(settings) if gateway_wanted(settings) else None,
         default_deadline=settings.deadline,
         default_gap=settings.heartbeat_gap,
         grace=settings.grace,

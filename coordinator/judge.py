@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from overnight.coordinator.taskfile import TaskSpec
 
 STUCK_TURNS = 3
+# The lease note of a step the gateway ended because a call was refused (worker.outcome).
+CALL_REFUSED = "call-refused: "
 # How many steps' tails, and how many unclean lease endings, a task's record keeps.
 KEEP_STEPS = 8
 KEEP_ENDINGS = 20
@@ -184,6 +186,11 @@ def judge(
     events = [Event("step_finished", data, out.lease_id)]
     _kept(cp, StepLog(turn=cp.turn, name=name, exit_code=out.exit_code, status=out.status,
                       note=out.note, ending=said, tail=out.tail, log=log))  # fmt: skip
+    if out.note.startswith(CALL_REFUSED):
+        # The gateway refused one of the step's model calls: the budget is spent.
+        detail = out.note.removeprefix(CALL_REFUSED)
+        halted = refused(cp, spec, "task" if detail.startswith("task ") else "envelope", detail)
+        return Next(halted.checkpoint, halted.state, detail, (*events, *halted.events))
     if cp.step == 0 and out.exit_code in CANNOT_START and out.note.startswith("worker-exit-"):
         command = spec.agent[0] if spec.agent else "the built-in model step"
         failed = agent_failed(cp, command, f"exit {out.exit_code}")

@@ -9,7 +9,9 @@ the answer under ``out/`` of its working directory: ``out/turn-NNN.json`` and
 ``out/answer.md``. With no URL a deterministic echo stub writes the same shape, with no
 network. The API key is never printed. Exit 0 on an answer, 1 when the model failed.
 
-Under a worker the step's environment holds no key (worker.stepenv): with
+Under a worker with a gateway the step asks the gateway, with the per-lease token its
+environment holds (``OPENAI_API_KEY``), never the real key. Otherwise its environment
+holds no key (worker.stepenv): with
 ``OVERNIGHT_MODEL_SETTINGS=stdin`` the ``OVERNIGHT_MODEL_*`` values come instead as one JSON
 object on stdin (:func:`settings_line`), a pipe the supervisor filled and closed before the
 step started, so neither ``/proc/PID/environ`` nor a descendant ever shows the key. Run by
@@ -48,9 +50,17 @@ class ModelSettings:
     timeout: float
 
 
-def settings_line(model_env: Mapping[str, str]) -> bytes:
-    """The model settings (``OVERNIGHT_MODEL_*`` names) as the step reads them on stdin."""
-    return json.dumps({k: v for k, v in model_env.items() if k in MODEL_VARS}).encode() + b"\n"
+def settings_line(model_env: Mapping[str, str], gateway_url: str | None = None) -> bytes:
+    """The model settings (``OVERNIGHT_MODEL_*`` names) as the step reads them on stdin.
+
+    With a gateway the step asks the gateway (with the per-lease token its environment
+    holds as ``OPENAI_API_KEY``) and is handed no upstream URL or key at all.
+    """
+    values = {k: v for k, v in model_env.items() if k in MODEL_VARS}
+    if gateway_url is not None:
+        values.pop("OVERNIGHT_MODEL_API_KEY", None)
+        values["OVERNIGHT_MODEL_URL"] = gateway_url.rstrip("/") + "/v1"
+    return json.dumps(values).encode() + b"\n"
 
 
 def settings_from_line(line: bytes) -> ModelSettings:
@@ -185,7 +195,9 @@ def main() -> int:
     if settings.url:
         print(f"model step: asking {mask_url(settings.url)} ({settings.name})", flush=True)
         try:
-            answer = ask_model(settings.url, settings.api_key, settings.name, prompt,
+            # Under a gateway the key is the step's own per-lease token.
+            key = settings.api_key or os.environ.get("OPENAI_API_KEY")
+            answer = ask_model(settings.url, key, settings.name, prompt,
                                settings.timeout)  # fmt: skip
         except ModelError as exc:
             print(f"model step: {exc}", file=sys.stderr, flush=True)

@@ -72,6 +72,8 @@ class TaskSpec(BaseModel):
     workdir: str = "."
     agent: list[str] | None = Field(None, min_length=1)
     max_calls: int = Field(20, ge=1, le=1_000_000)
+    # Tokens (input + output) the task's model requests may spend through the gateway.
+    max_tokens: int | None = Field(None, ge=1, le=10**15)
     lease_seconds: float | None = Field(None, gt=0, le=7 * 86_400)
     heartbeat_gap: float | None = Field(None, gt=0, le=86_400)
     deadline: float = Field(21_600, gt=0, le=30 * 86_400)
