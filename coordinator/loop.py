@@ -44,11 +44,10 @@ from overnight.coordinator.taskrecord import (
     Runner,
     TaskRecord,
 )
-from overnight.coordinator.taskspace import TaskSpace, rule_argv, verifier_env
+from overnight.coordinator.taskspace import TaskSpace, WorkspaceError, rule_argv, verifier_env
 from overnight.coordinator.taskstore import TaskRefused, TaskStore
 from overnight.coordinator.workspace import GitError
 from overnight.worker import stepenv, stepuser
-from overnight.worker.gateway_grant import Grant
 from overnight.worker.stepuser import StepUser
 
 log = logging.getLogger("overnight.loop")
@@ -88,8 +87,6 @@ class LoopConfig:
     step_user: StepUser | None = field(default_factory=stepuser.configured)
     # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
     model_env: dict[str, str] = field(default_factory=dict, repr=False)
-    # The gateway agent steps are pointed at (None: no gateway, no token for the step).
-    gateway_url: str | None = None
     # When the night ends (unix time; OVERNIGHT_STOP_AT): no step starts from then on.
     stop_at: float | None = field(default_factory=stop.configured)
 
@@ -221,7 +218,7 @@ class TaskLoop:
             if cp.step == 0 and spec.base is not None:
                 try:  # the task's worktree, made before its first step is charged
                     self._space(rec).agent_cwd(self.config.step_user)
-                except (GitError, OSError) as exc:
+                except (GitError, OSError, WorkspaceError) as exc:
                     return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             unstartable = self._unstartable(spec) if cp.step == 0 else None
             if unstartable is not None:  # ends the task before its call is charged
@@ -242,7 +239,7 @@ class TaskLoop:
             req = self._request(rec, cp, step_deadline)
             try:
                 outcome, cp = self._run_step(rec, cp, req, request)
-            except (GitError, OSError) as exc:
+            except (GitError, OSError, WorkspaceError) as exc:
                 return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             log_file = str(req.log_path) if req.log_path is not None else ""
             if by_stop is not None and outcome.status == "expired" and self.config.stop_at:
@@ -299,6 +296,11 @@ class TaskLoop:
                 out = self.runner(req)
             finally:
                 space.unlock()
+            if out.survivors:  # its tree may still write: nothing it left can be verified
+                raise WorkspaceError(
+                    f"{out.survivors} process(es) of the agent step outlived its lease; "
+                    "the turn is not verified"
+                )
             after = space.after_agent(cp.turn, f"{out.status} ({out.note}, exit {out.exit_code})")
             tree = space.tree
             cp = cp.model_copy(
@@ -379,7 +381,7 @@ class TaskLoop:
         stdin = None
         if spec.agent is None:  # the model settings reach the built-in step on stdin only
             env[model_step.SETTINGS_VAR] = "stdin"
-            stdin = model_step.settings_line(self.config.model_env, self.config.gateway_url)
+            stdin = model_step.settings_line(self.config.model_env)
         return StepRequest(
             rec.id,
             "agent",
@@ -391,22 +393,6 @@ class TaskLoop:
             self.config.grace,
             stdin_data=stdin,
             log_path=self._log_path(rec, cp, "agent"),
-            grant=self._grant(rec),
-        )
-
-    def _grant(self, rec: TaskRecord) -> Grant | None:
-        # The loop charged this step's model unit before it runs: the step's first request
-        # through the gateway uses it (prepaid), so a step costs max(1, its requests).
-        if self.config.gateway_url is None:
-            return None
-        spec = rec.spec
-        return Grant(
-            self.config.gateway_url,
-            envelope=spec.envelope,
-            task_id=rec.id,
-            max_calls=spec.max_calls,
-            max_tokens=spec.max_tokens,
-            prepaid=True,
         )
 
     def _write(self, rec: TaskRecord, nxt: Next) -> str:

@@ -30,6 +30,10 @@ log = logging.getLogger("overnight.workspace")
 SYNTHETIC_RULE = "protected-paths"
 
 
+class WorkspaceError(Exception):
+    """What an agent step left cannot be verified (the task pauses for a person)."""
+
+
 @dataclass(frozen=True)
 class AfterAgent:
     """What an agent step left: the commit (worktree mode), the protected paths it changed
@@ -155,7 +159,15 @@ def rule_argv(argv: list[str], base: Base | None, tree: Checked) -> list[str]:
     return checkout.rewrite_argv(argv, base.root, tree.root)
 
 
-__all__ = ["SYNTHETIC_RULE", "AfterAgent", "TaskSpace", "prune", "rule_argv", "verifier_env"]
+__all__ = [
+    "SYNTHETIC_RULE",
+    "AfterAgent",
+    "TaskSpace",
+    "WorkspaceError",
+    "prune",
+    "rule_argv",
+    "verifier_env",
+]
 
 
 def prune(store: TaskStore, state: Path) -> list[str]:

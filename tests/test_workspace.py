@@ -7,6 +7,7 @@ could try to pass the checks without fixing the bug fails to reach finished_veri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from overnight.coordinator import workspace
 from overnight.coordinator.judge import PROTECTED_RULE
 from overnight.coordinator.loop import LoopConfig, TaskLoop
 from overnight.coordinator.report import status_dict
-from overnight.coordinator.steps import plain_runner
+from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.taskfile import TaskFileError, load
 from overnight.coordinator.taskstore import Runner, TaskRecord, TaskStore
 from overnight.worker import receipts
@@ -388,3 +389,25 @@ def test_prune_removes_ended_worktrees_only(r: redis.Redis, namespace: str, tmp_
     assert not tree.exists(), said
     assert workspace.branch_exists(str(repo), f"overnight/{rec.id}")
     wait_for(lambda: not tree.exists(), 1)
+
+
+def test_an_agent_tree_that_outlived_its_lease_is_not_verified(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    state = tmp_path / "state"
+    spec = load(task_toml(repo, FIX), state)
+    store = TaskStore(r, Keys(namespace))
+    [rec] = store.create([spec], queue="q")
+    ran: list[str] = []
+
+    def runner(req: StepRequest) -> StepOutcome:
+        ran.append(req.name)
+        out = plain_runner(req)
+        return dataclasses.replace(out, survivors=1 if req.name == "agent" else 0)
+
+    config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "p", state_dir=state, step_user=None)
+    state_now = TaskLoop(store, runner, lambda *_: None, config).run(rec.id, 1, Runner(worker="t"))
+    got = store.get(rec.id)
+    assert got is not None and state_now == "paused_for_reconciliation" == got.state
+    assert "outlived its lease" in got.detail and ran == ["agent"]
