@@ -1,0 +1,128 @@
+"""Tasks through the gateway: `overnight worker` runs this host's gateway, every model request
+an agent sends is one model unit of the task and the envelope, a silent step costs its floor
+unit, and an envelope that runs out mid-step halts the task at the call ceiling."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from overnight.config.keys import Keys
+from overnight.worker.envelope import CallEnvelope
+from overnight.worker.receipts import read
+from tests.helpers import OVERNIGHT, task_file
+
+UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
+
+# An agent: sends N chat requests through the gateway its environment names (retrying a
+# gateway that is still starting), counts the answers, writes ok.txt, then waits.
+AGENT = textwrap.dedent("""
+    import json, os, sys, time, urllib.request, urllib.error
+    times, wait = int(sys.argv[1]), float(sys.argv[2])
+    answered = 0
+    for _ in range(times):
+        req = urllib.request.Request(
+            os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+            data=json.dumps({"model": "m", "messages": []}).encode(),
+            headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                     "Content-Type": "application/json"})
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(req, timeout=30).read()
+                answered += 1
+                break
+            except urllib.error.HTTPError:
+                break
+            except urllib.error.URLError:
+                time.sleep(0.1)
+    print(f"answered {answered}", flush=True)
+    open("ok.txt", "w").write("ok")
+    time.sleep(wait)
+""")
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    yield f"http://127.0.0.1:{line.split()[1]}"
+    proc.terminate()
+    proc.wait(10)
+    proc.stdout.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def tenv(env: dict[str, str], upstream: str, tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "agent.py").write_text(AGENT)
+    port = str(_free_port())
+    return {**env, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"], "OVERNIGHT_GRACE": "0.5",
+            "OVERNIGHT_MODEL_URL": upstream, "OVERNIGHT_GATEWAY_PORT": port}  # fmt: skip
+
+
+def _cli(tenv: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([OVERNIGHT, *args], env=tenv, capture_output=True, text=True,
+                          timeout=90, check=False)  # fmt: skip
+
+
+def _run_task(tenv: dict[str, str], tmp_path: Path, name: str, agent_args: list[str],
+              **kw: Any) -> dict[str, Any]:  # fmt: skip
+    agent = [sys.executable, str(tmp_path / "agent.py"), *agent_args]
+    path = task_file(tmp_path, name, agent, [["test", "-f", "ok.txt"]],
+                     workspace="in-place", **kw)  # fmt: skip
+    submitted = _cli(tenv, "submit", str(path))
+    assert submitted.returncode == 0, submitted.stderr
+    worked = _cli(tenv, "worker", "--burst")
+    assert worked.returncode == 0, worked.stderr[-3000:]
+    shown = _cli(tenv, "status", name)
+    assert shown.returncode == 0, shown.stderr
+    data: dict[str, Any] = json.loads(shown.stdout)
+    return data
+
+
+def test_every_request_is_one_unit_and_a_silent_step_its_floor(
+    tenv: dict[str, str], tmp_path: Path, r: redis.Redis, namespace: str
+) -> None:
+    envelope = CallEnvelope(r, "default", namespace)
+    envelope.reset(100)
+    done = _run_task(tenv, tmp_path, "three", ["3", "0"])
+    assert done["state"] == "finished_verified", done
+    assert done["calls_used"] == 3 + 1  # three model requests, one rule run
+    state = envelope.snapshot()
+    assert (state.consumed_model, state.consumed_tool) == (3, 1)
+    assert state.consumed_tokens == 3 * (11 + 7)
+    calls = [rc for rc in read(r, Keys(namespace)) if rc.kind == "model_call"]
+    assert [rc.task_id for rc in calls] == ["three"] * 3
+    silent = _run_task(tenv, tmp_path, "silent", ["0", "0"])
+    assert silent["state"] == "finished_verified", silent
+    assert silent["calls_used"] == 1 + 1  # the agent step's floor unit, one rule run
+    assert envelope.snapshot().consumed_model == 4
+
+
+def test_an_envelope_spent_mid_step_halts_the_task(
+    tenv: dict[str, str], tmp_path: Path, r: redis.Redis, namespace: str
+) -> None:
+    envelope = CallEnvelope(r, "default", namespace)
+    envelope.reset(3)
+    ended = _run_task(tenv, tmp_path, "spender", ["10", "60"], heartbeat_gap=30)
+    assert ended["state"] == "halted_at_call_ceiling", ended
+    state = envelope.snapshot()
+    assert (state.consumed_model, state.remaining) == (3, 0)
+    kinds = [rc.kind for rc in read(r, Keys(namespace))]
+    assert kinds.count("model_call") == 3
