@@ -8,11 +8,8 @@ could try to pass the checks without fixing the bug fails to reach finished_veri
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -29,53 +26,7 @@ from overnight.coordinator.taskfile import TaskFileError, load
 from overnight.coordinator.taskstore import Runner, TaskRecord, TaskStore
 from overnight.worker import receipts
 from tests.helpers import wait_for
-
-PY = sys.executable
-BUGGY = "def add(a, b):\n    return a - b\n"
-FIXED = "def add(a, b):\n    return a + b\n"
-TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-CHECK = "from calc import add\nraise SystemExit(0 if add(2, 3) == 5 else 1)\n"
-
-
-def sh(cwd: Path, *argv: str) -> str:
-    return subprocess.run(
-        ["git", *argv], cwd=cwd, check=True, capture_output=True, text=True
-    ).stdout
-
-
-def make_repo(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    sh(folder, "init", "-q", "-b", "main")
-    sh(folder, "config", "user.name", "Tester")
-    sh(folder, "config", "user.email", "tester@example.invalid")
-    (folder / "calc.py").write_text(BUGGY)
-    (folder / "check.py").write_text(CHECK)
-    (folder / "tests").mkdir()
-    (folder / "tests" / "test_calc.py").write_text(TEST)
-    (folder / ".gitignore").write_text("__pycache__/\n*.pyc\nbuild/\n")
-    sh(folder, "add", "-A")
-    sh(folder, "commit", "-q", "-m", "base")
-    return folder
-
-
-def task_toml(folder: Path, agent: str, *, name: str = "task", **extra: object) -> Path:
-    """A task file (JSON, same keys as TOML) for ``folder`` whose agent runs ``agent``."""
-    path = folder.parent / f"{name}.json"
-    data = {
-        "assignment": "fix add in calc.py",
-        "workdir": folder.name,
-        "agent": [PY, "-c", agent],
-        "max_calls": 9,
-        "protect": ["tests/**"],
-        "env": {"PATH": "bin:" + os.environ.get("PATH", "")},
-        "verifier": [
-            {"name": "check", "run": ["python3", "check.py"]},
-            {"name": "tests", "run": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]},
-        ],
-        **extra,
-    }
-    path.write_text(json.dumps(data))
-    return path
+from tests.repos import BUGGY, CHECK, FIX, FIXED, TEST, make_repo, sh, task_toml
 
 
 def run(r: redis.Redis, namespace: str, tmp_path: Path, path: Path) -> TaskRecord:
@@ -197,7 +148,6 @@ def test_uncommitted_changes_warn_in_one_line(tmp_path: Path) -> None:
 
 # --- the loop ---------------------------------------------------------------------------------
 
-FIX = "import pathlib; pathlib.Path('calc.py').write_text('def add(a, b):\\n    return a + b\\n')"
 TAMPERS = {
     "edit-the-test": (
         "import pathlib;"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import OVERNIGHT
-from tests.test_workspace import FIX, FIXED, make_repo, sh, task_toml
+from tests.repos import FIX, FIXED, make_repo, sh, task_toml
 
 
 @pytest.fixture

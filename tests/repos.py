@@ -1,0 +1,60 @@
+"""Git repositories for the workspace tests: a tiny project with a bug, its tests and a
+check script, and task files (JSON) whose agent is a line of Python."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PY = sys.executable
+BUGGY = "def add(a, b):\n    return a - b\n"
+FIXED = "def add(a, b):\n    return a + b\n"
+TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+CHECK = "from calc import add\nraise SystemExit(0 if add(2, 3) == 5 else 1)\n"
+
+
+def sh(cwd: Path, *argv: str) -> str:
+    return subprocess.run(
+        ["git", *argv], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def make_repo(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    sh(folder, "init", "-q", "-b", "main")
+    sh(folder, "config", "user.name", "Tester")
+    sh(folder, "config", "user.email", "tester@example.invalid")
+    (folder / "calc.py").write_text(BUGGY)
+    (folder / "check.py").write_text(CHECK)
+    (folder / "tests").mkdir()
+    (folder / "tests" / "test_calc.py").write_text(TEST)
+    (folder / ".gitignore").write_text("__pycache__/\n*.pyc\nbuild/\n")
+    sh(folder, "add", "-A")
+    sh(folder, "commit", "-q", "-m", "base")
+    return folder
+
+
+def task_toml(folder: Path, agent: str, *, name: str = "task", **extra: object) -> Path:
+    """A task file (JSON, same keys as TOML) for ``folder`` whose agent runs ``agent``."""
+    path = folder.parent / f"{name}.json"
+    data = {
+        "assignment": "fix add in calc.py",
+        "workdir": folder.name,
+        "agent": [PY, "-c", agent],
+        "max_calls": 9,
+        "protect": ["tests/**"],
+        "env": {"PATH": "bin:" + os.environ.get("PATH", "")},
+        "verifier": [
+            {"name": "check", "run": ["python3", "check.py"]},
+            {"name": "tests", "run": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]},
+        ],
+        **extra,
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+FIX = "import pathlib; pathlib.Path('calc.py').write_text('def add(a, b):\\n    return a + b\\n')"
