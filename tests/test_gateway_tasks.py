@@ -113,6 +113,12 @@ def test_every_request_is_one_unit_and_a_silent_step_its_floor(
     assert silent["state"] == "finished_verified", silent
     assert silent["calls_used"] == 1 + 1  # the agent step's floor unit, one rule run
     assert envelope.snapshot().consumed_model == 4
+    report = _cli(tenv, "report", "--plain")
+    assert report.returncode == 0, report.stderr
+    assert "ledger three: 3 model requests, tokens in 33 out 21 cache 0, 0 tool calls" in (
+        report.stdout
+    )
+    assert "ledger silent" not in report.stdout
 
 
 def test_an_envelope_spent_mid_step_halts_the_task(
