@@ -400,7 +400,12 @@ def report_command(plain: bool, html_file: Path | None) -> None:
     With --html FILE: a page that needs no network (what needs a person, tasks by state,
     the envelope, a timeline of every step, the burn-down and a card per task)."""
     from overnight.config.context import redis_client, settings
-    from overnight.coordinator.report import envelope_lines, render_plain, render_rich
+    from overnight.coordinator.report import (
+        envelope_lines,
+        ledger_lines,
+        render_plain,
+        render_rich,
+    )
 
     if html_file is not None:
         from overnight.coordinator.report import write_html
@@ -411,6 +416,7 @@ def report_command(plain: bool, html_file: Path | None) -> None:
     store = _store()
     records = store.all()
     footer = envelope_lines(redis_client(), settings().namespace, records)
+    footer += ledger_lines(redis_client(), settings().namespace)
     if plain or not sys.stdout.isatty():
         render_plain(records, sys.stdout, footer)
     else:

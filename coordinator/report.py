@@ -163,7 +163,53 @@ def envelope_lines(client: Any, namespace: str, records: list[TaskRecord]) -> li
         lines.append(
             f"envelope {name}: remaining {state.remaining} "
             f"(consumed model {state.consumed_model}, tool {state.consumed_tool})"
+            + (
+                f", tokens {state.consumed_tokens}"
+                + (f" of {state.max_tokens}" if state.max_tokens is not None else "")
+                if state.consumed_tokens or state.max_tokens is not None
+                else ""
+            )
         )
+    return lines
+
+
+def ledger(client: Any, namespace: str) -> dict[str, dict[str, int]]:
+    """Per task, the gateway's ledger (``model_call`` receipts) totalled: requests, tokens
+    (input, output, cache), tool calls, and how many rows were estimated or cut short."""
+    from overnight.config.keys import Keys
+    from overnight.worker.receipts import read
+
+    totals: dict[str, dict[str, int]] = {}
+    for rc in read(client, Keys(namespace)):
+        if rc.kind != "model_call":
+            continue
+        row = totals.setdefault(rc.task_id or "-", dict.fromkeys(LEDGER_FIELDS, 0))
+        data = rc.data
+        row["requests"] += 1 if data.get("model_units") else 0
+        for field in ("input_tokens", "output_tokens", "cache_read_tokens",
+                      "cache_write_tokens", "tool_calls"):  # fmt: skip
+            value = data.get(field)
+            row[field] += value if isinstance(value, int) else 0
+        row["estimated"] += 1 if data.get("estimated") else 0
+        row["disconnected"] += 1 if data.get("disconnected") else 0
+    return totals
+
+
+LEDGER_FIELDS = ("requests", "input_tokens", "output_tokens", "cache_read_tokens",
+                 "cache_write_tokens", "tool_calls", "estimated", "disconnected")  # fmt: skip
+
+
+def ledger_lines(client: Any, namespace: str) -> list[str]:
+    """One line per task that sent model requests through the gateway."""
+    lines = []
+    for task, row in sorted(ledger(client, namespace).items()):
+        cache = row["cache_read_tokens"] + row["cache_write_tokens"]
+        line = (f"ledger {task}: {row['requests']} model requests, tokens in "
+                f"{row['input_tokens']} out {row['output_tokens']} cache {cache}, "
+                f"{row['tool_calls']} tool calls")  # fmt: skip
+        if row["estimated"] or row["disconnected"]:
+            line += f" ({row['estimated']} estimated, {row['disconnected']} cut short)"
+        lines.append(line)
     return lines
 
 
@@ -201,6 +247,7 @@ def render_rich(records: list[TaskRecord], footer: list[str]) -> None:
     console.print(table)
     for line in [summary(records), *footer]:
         console.print(Text(printable(line)), highlight=False)
+
 
 def gather(client: Any, namespace: str, now: float | None = None) -> Report:
     """The :class:`~overnight.coordinator.report_model.Report` of every task the namespace
