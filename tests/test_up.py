@@ -51,6 +51,9 @@ def test_demo_shows_the_four_outcomes(tmp_path: Path) -> None:
         assert f"demo: {task_id}: {state} (as expected)" in proc.stdout
     assert "started a private redis-server" in proc.stderr
     assert "envelope default: remaining 0" in proc.stdout
+    # The hang is seen being killed: in the progress lines and under its row in the report.
+    assert "hangs-once: turn 1 agent killed: heartbeat gap 2.0 s" in proc.stdout
+    assert "\n            turn 1 agent killed: heartbeat gap 2.0 s\n" in proc.stdout
 
 
 @pytest.mark.slow
