@@ -51,6 +51,9 @@ def status_dict(rec: TaskRecord, claim_alive: bool, now: float | None = None) ->
         "ended_unix": rec.ended_unix,
         "updated_unix": rec.updated_unix,
         "elapsed_sec": round(elapsed(rec, now), 3),
+        # How its leases ended when not by the step's own exit, and the last steps' tails.
+        "endings": list(cp.endings),
+        "steps": [step.model_dump() for step in cp.steps],
         **workspace_dict(rec),
     }
 

@@ -15,6 +15,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.judge import ending
 from overnight.coordinator.logs import print_logs, step_files, task_folder
 from overnight.coordinator.loop import CallRefused, LoopConfig, TaskLoop
+from overnight.coordinator.report import status_dict
 from overnight.coordinator.states import TRANSITIONS, State
 from overnight.coordinator.steps import plain_runner, start_problem
 from overnight.coordinator.taskfile import Rule, TaskSpec
@@ -189,3 +190,37 @@ def test_every_step_output_is_kept(r: redis.Redis, namespace: str, tmp_path: Pat
     assert text.startswith("==> turn 2 agent (")
     assert "shall I continue?\n" in text and "\\x1b[31mred" in text and "\x1b" not in text
     assert "checking" in text
+
+
+def test_status_shows_the_endings_and_the_last_tails(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    agent = [PY, "-c", "print('shall I continue?')"]
+    store = run(r, namespace, tmp_path, make_spec(tmp_path, agent=agent, max_calls=2), Budget(9))
+    [rec] = store.all()
+    status = status_dict(rec, claim_alive=False)
+    assert status["endings"] == []
+    assert [(s["turn"], s["name"]) for s in status["steps"]] == [(1, "agent"), (1, "has-ok")]
+    assert status["steps"][0]["tail"] == "shall I continue?"
+    assert status["steps"][0]["log"].endswith("turn-001-step-00-agent.log")
+
+
+def test_follow_prints_what_comes_until_settled(tmp_path: Path) -> None:
+    log = tmp_path / "turn-001-step-00-agent.log"
+    log.write_text("first\n")
+    polls: list[int] = []
+
+    def settled() -> bool:
+        polls.append(1)
+        if len(polls) == 1:  # the step goes on: more output, then a rule's log
+            with open(log, "a") as fh:
+                fh.write("second\n")
+            (tmp_path / "turn-001-step-01-tests.log").write_text("ok\n")
+            return False
+        return True
+
+    out = io.StringIO()
+    assert print_logs(tmp_path, out, follow=True, settled=settled) == 2
+    assert out.getvalue().splitlines()[1:3] == ["first", "second"]
+    assert out.getvalue().splitlines()[3].startswith("==> turn 1 tests (")
+    assert out.getvalue().endswith("ok\n")
