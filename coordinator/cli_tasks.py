@@ -211,31 +211,20 @@ def _start_reaper() -> subprocess.Popen[bytes]:
 
 def _start_gateway(cfg: Settings) -> subprocess.Popen[bytes] | None:
     """This host's ``overnight gateway`` as a child that gets SIGTERM if this worker dies;
-    None when no upstream is configured or a gateway already answers on its port."""
-    import contextlib
-    import socket
-
-    from overnight.coordinator.dispatch import gateway_wanted
+    None when no upstream is configured or a gateway already answers on its port (one
+    gateway per host: another worker's, or ``overnight up``'s)."""
+    from overnight.coordinator.dispatch import gateway_answers, gateway_wanted
     from overnight.worker.procs import set_pdeathsig
 
-    if not gateway_wanted(cfg):
+    if not gateway_wanted(cfg) or gateway_answers(cfg):
         return None
-    with (
-        contextlib.suppress(OSError),
-        socket.create_connection(
-            (
-                cfg.gateway_host if cfg.gateway_host not in ("0.0.0.0", "::") else "127.0.0.1",
-                cfg.gateway_port,
-            ),
-            timeout=0.5,
-        ),
-    ):
-        return None  # one gateway per host: another worker's is serving
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         overnight_argv("gateway"),
         stdin=subprocess.DEVNULL,
         preexec_fn=lambda: set_pdeathsig(signal.SIGTERM),
     )
+    gateway_answers(cfg, wait=10.0)  # the first step's first request finds it up
+    return proc
 
 
 def _warn_missing_envelopes(names: list[str]) -> None:

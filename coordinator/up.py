@@ -214,6 +214,7 @@ def _run(
     out: TextIO,
 ) -> UpResult:
     from overnight.coordinator.control import ensure_envelope, submit_folders
+    from overnight.coordinator.dispatch import gateway_answers, gateway_wanted
     from overnight.coordinator.report import envelope_lines, render_plain
     from overnight.coordinator.states import SETTLED
     from overnight.coordinator.taskstore import TaskStore
@@ -235,6 +236,9 @@ def _run(
         stack.spawn(
             "reaper", overnight_argv("reaper", "--interval", repr(settings.reaper_interval))
         )
+        if gateway_wanted(settings):  # this host's gateway, before the workers look for it
+            stack.spawn("gateway", overnight_argv("gateway"))
+            gateway_answers(settings, wait=10.0)
         for i in range(opts.workers):
             stack.spawn(
                 f"worker-{i + 1}",
