@@ -1,7 +1,8 @@
 """Reaper benchmark: orphan latency after a supervisor is SIGKILLed, and pass cost at scale.
 
-``.venv/bin/python -m bench.reaper`` starts its own private redis-server. Targets (issue 4):
-orphan latency (tree dead - supervisor SIGKILL) <= gap + interval + 0.5 s; a pass over
+``.venv/bin/python -m bench.reaper`` starts its own private redis-server. Targets (issues 4
+and 16): orphan latency (tree dead - supervisor SIGKILL, real supervisors with their
+proofs) <= gap + 0.25 s, whatever the interval; a pass over
 100,000 live leases of which 100 lapsed <= 50 ms and within 2x of the 100-lease pass.
 """
 
@@ -60,6 +61,8 @@ def orphan_latency(
     """Seconds from SIGKILL of a supervisor to the death of its whole tree, per run."""
     ns = f"bench-orphan-{os.getpid()}"
     env = {**os.environ, "OVERNIGHT_REDIS_URL": server.url, "OVERNIGHT_NAMESPACE": ns}
+    if os.geteuid() == 0:  # the child writes its pid file into this bench's (root's) folder
+        env["OVERNIGHT_ALLOW_ROOT_STEPS"] = "1"
     print(f"orphan latency: overnight supervise, gap {gap}s, reaper interval {interval}s, "
           f"{runs} runs")  # fmt: skip
     reaper = subprocess.Popen(
@@ -173,7 +176,8 @@ def main() -> int:
         with EmbeddedRedis(work / "redis") as server:
             if not args.skip_latency:
                 lat = orphan_latency(server, args.runs, args.gap, args.interval, work)
-                target = args.gap + args.interval + 0.5
+                # The reaper hears the liveness key lapse (keyspace events): no interval.
+                target = args.gap + 0.25
                 med, worst = statistics.median(lat), max(lat)
                 ok &= worst <= target
                 verdict = "OK" if worst <= target else "MISSED"

@@ -3,14 +3,20 @@ re-run (no lease of it could still be alive on any host)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import redis
 
 from overnight.config import validate
+from overnight.config.keys import Keys
 from overnight.config.settings import ConfigError, load_settings
 from overnight.coordinator import rerun
 from overnight.worker.keeper import Keeper
 from overnight.worker.lease import LeaseDoc
+from overnight.worker.reaper_listen import Listener, wanted_flags
+from tests.helpers import wait_for
 
 
 @pytest.mark.parametrize(
@@ -122,3 +128,37 @@ def test_a_cut_off_supervisor_ends_its_step_before_the_lapse(
             break
     assert ended is not None and (ended.note, ended.exit_code) == ("lease-lost", 4)
     assert clock[0] < fake.server_lapse  # the step is being ended while the key still lives
+
+
+# --- the reaper hears a liveness key lapse ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("current", "wanted"),
+    [("", "Kx"), ("Ex", "ExK"), ("KEA", None), ("Kx", None), ("K", "Kx"), ("Elg", "ElgKx")],
+)
+def test_wanted_flags_only_add(current: str, wanted: str | None) -> None:
+    assert wanted_flags(current) == wanted
+
+
+def test_the_listener_wakes_on_a_lapsed_liveness_key(r: redis.Redis, namespace: str) -> None:
+    keys = Keys(namespace)
+    stop = threading.Event()
+    ear = Listener(r, keys, stop).start()
+    try:
+        wait_for(lambda: ear.enabled is not None, timeout=10)
+        assert ear.enabled, "the test server allows CONFIG SET"
+        assert "K" in str(r.config_get("notify-keyspace-events")["notify-keyspace-events"])
+        r.set(keys.lease_alive("other"), "1")  # no expiry: no event
+
+        def heard() -> bool:
+            # Until the subscription is in place an expiry goes unheard: lapse another key.
+            r.set(keys.lease_alive(f"x{time.monotonic()}"), "1", px=20)
+            return ear.heard >= 1
+
+        wait_for(heard, timeout=10, interval=0.2)
+        assert ear.wait(5.0) is True  # woken, not timed out
+        assert ear.wait(0.05) is False
+    finally:
+        stop.set()
+        ear.thread.join(5)
