@@ -309,8 +309,10 @@ def run(
     A Redis that is away or refuses writes for a while (:func:`clients.transient`: lost
     connection, OOM at maxmemory, LOADING, MISCONF, READONLY) is logged once and retried;
     any other failure of a pass is logged with its traceback and the next pass runs anyway
-    (a reaper that dies helps nobody). With ``once`` every failure is raised. With ``listen`` a lapsed liveness key (a keyspace
-    event, :mod:`worker.reaper_listen`) starts a pass at once; the timed passes stay.
+    (a reaper that dies helps nobody). With ``once`` every failure is raised.
+
+    With ``listen``, a lapsed liveness key (a keyspace event, :mod:`worker.reaper_listen`)
+    starts a pass at once; the timed passes stay as the backstop.
     """
     ear = Listener(client, keys, stop).start() if listen and not once else None
     redis_state = Backoff(f"host={procs.hostname()} reaper", log, first=interval, cap=30.0)
