@@ -193,10 +193,6 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
         else:
             where = "OVERNIGHT_REDIS_URL"
         print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
-        if not settings.state_dir:  # the members keep task logs and worktrees in --state-dir
-            os.environ["OVERNIGHT_STATE_DIR"] = str(opts.state_dir.resolve())
-            stack.env["OVERNIGHT_STATE_DIR"] = os.environ["OVERNIGHT_STATE_DIR"]
-            settings = load_settings(redis_url=settings.redis_url)
         return _run(opts, settings, stack, stopper, connect, out)
     finally:
         leftovers = stack.stop()
