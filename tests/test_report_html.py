@@ -214,6 +214,13 @@ def test_a_demo_night_report_metrics_and_notification(
     with Image.open(shot) as image:
         colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 50  # not a blank page
+    # The same page from the command line, after the night.
+    again = tmp_path / "again.html"
+    cli = subprocess.run([OVERNIGHT, "report", "--html", str(again)], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 0 and cli.stdout.strip() == str(again), cli.stderr
+    assert all(f'data-task="{task}" data-state="{st}"' in again.read_text()
+               for task, st in states.items())  # fmt: skip
     if os.environ.get("UPDATE_DOCS"):
         DOCS_PNG.parent.mkdir(exist_ok=True)
         shutil.copy(shot, DOCS_PNG)

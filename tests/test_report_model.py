@@ -361,3 +361,33 @@ def test_notify_retries_then_delivers() -> None:
 def test_notify_to_nowhere_fails_quietly() -> None:
     assert not notify.post("http://127.0.0.1:9/none", {"event": "x"}, attempts=2, backoff=0.01)
     assert notify.send(None, {"event": "x"}) is None
+
+
+def test_night_notifies_a_pause_once_and_ends_after_its_stop(tmp_path: Any) -> None:
+    from overnight.config.keys import Keys
+    from overnight.config.settings import load_settings
+    from overnight.coordinator.night import Night
+
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        Receiver.bodies, Receiver.fail_first = [], 0
+        url = f"http://127.0.0.1:{server.server_port}/hook"
+        settings = load_settings(notify_url=url, grace=1.0, heartbeat_gap=1.0, task_claim_ttl=1.0)
+        night = Night(T0 + 100, settings, None, Keys("ns"), tmp_path)  # type: ignore[arg-type]
+        night.next_report = float("inf")  # no Redis here: no report refresh
+        held = record("held", State.PAUSED)
+        busy = record("busy", State.RUNNING)
+        assert not night.tick([held, busy], now=T0)
+        assert not night.tick([held, busy], now=T0 + 1)  # the same pause: told once
+        for thread in night.threads:
+            thread.join(10)
+        assert [b["event"] for b in Receiver.bodies] == ["task_paused"]
+        assert Receiver.bodies[0]["task"] == "held"
+        assert not night.tick([held, busy], now=T0 + 101)  # a step still runs: wait for it
+        assert night.tick([held, record("busy", State.QUEUED)], now=T0 + 102)
+        assert night.ended
+        assert night.tick([held, busy], now=T0 + 200)  # past the patience: it ends anyway
+    finally:
+        server.shutdown()
+        server.server_close()
