@@ -64,7 +64,7 @@ redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 # RQ's own job timeout is the task's deadline plus this, so the task's deadline fires first.
 JOB_MARGIN = 120
 # How many ended leases a pass looks at for retention (oldest first).
-LEASE_PRUNE_BATCH = 200
+LEASE_PRUNE_BATCH = 1000
 _TEXT_CLIENTS: dict[int, redis.Redis] = {}
 _TMP = tempfile.gettempdir()  # probed once here, not in every work horse
 
@@ -297,15 +297,28 @@ def _records(store: TaskStore, task_ids: list[str]) -> list[TaskRecord]:
     return out
 
 
-def _gone_jobs(rq_conn: redis.Redis, job_ids: list[str]) -> set[str]:
-    """Those of ``job_ids`` whose RQ job is missing or has ended (one round trip)."""
-    ended = (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
-    jobs = Job.fetch_many(job_ids, connection=rq_conn)
-    return {
-        job_id
-        for job_id, job in zip(job_ids, jobs, strict=True)
-        if job is None or job.get_status(refresh=False) in ended
-    }
+def _queued_without_job(store: TaskStore, rq_conn: redis.Redis, task_ids: list[str]) -> list[str]:
+    """Those of ``task_ids`` that are queued and whose current attempt's RQ job is missing
+    or has ended: two round trips, a few fields each, however many are asked about."""
+    pipe = store.client.pipeline(transaction=False)
+    for task_id in task_ids:
+        pipe.hmget(store.keys.task(task_id), "state", "run", "attempt")
+    queued = [(task_id, f"{task_id}-{run}-{attempt}")
+              for task_id, (state, run, attempt) in zip(task_ids, pipe.execute(), strict=True)
+              if state == QUEUED.value]  # fmt: skip
+    if not queued:
+        return []
+    rq_pipe = rq_conn.pipeline(transaction=False)
+    for _task_id, job_id in queued:
+        rq_pipe.hget(Job.key_for(job_id), "status")
+    ended = {s.value for s in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED,
+                               JobStatus.CANCELED)}  # fmt: skip
+    gone = []
+    for (task_id, _job_id), status in zip(queued, rq_pipe.execute(), strict=True):
+        text = status.decode() if isinstance(status, bytes) else status
+        if text is None or text in ended:
+            gone.append(task_id)
+    return gone
 
 
 def recover(
@@ -354,10 +367,9 @@ def recover(
             requeue.append(rec.model_copy(update={"attempt": attempt, "state": new}))
     due = store.queued_due(now)
     if due:
-        queued = [rec for rec in _records(store, due) if rec.state == QUEUED]
-        gone = _gone_jobs(rq_conn, [rec.job_id() for rec in queued]) if queued else set()
-        for rec in queued:
-            if rec.job_id() in gone:
+        lost = _queued_without_job(store, rq_conn, due)
+        for rec in _records(store, lost) if lost else []:
+            if rec.state == QUEUED:
                 actions.append(f"{rec.id}: re-enqueued attempt {rec.attempt}")
                 requeue.append(rec)
         store.queued_checked(due, now)

@@ -335,6 +335,7 @@ class TaskStore:
             STREAM_MAXLEN,
             rec.id,
             self.retention,
+            self.queued_grace,
         ]
         for event in nxt.events:
             args += [event.kind, receipt_body(rec.id, event.lease_id, **event.data)]
@@ -358,6 +359,7 @@ class TaskStore:
                 self.keys.task_claims,
                 self.keys.tasks_ended,
                 self.keys.task_charged(rec.id),
+                self.keys.task_queued,
             ],
             args,
         )

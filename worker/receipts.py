@@ -74,10 +74,9 @@ def append(client: redis.Redis, keys: Keys, receipt: Receipt) -> str:
 
 def trim_by_age(client: redis.Redis, keys: Keys, retention: float, now: float) -> int:
     """Drop receipts older than ``retention`` seconds at ``now`` (Redis server time), as
-    well as the count cap every append keeps; returns how many entries went (approximate
-    trimming: whole stream nodes, so a few older ones may stay a while)."""
+    well as the count cap every append keeps; returns how many entries went."""
     min_id = f"{max(0, int((now - retention) * 1000))}-0"
-    return int(client.xtrim(keys.receipts, minid=min_id, approximate=True))
+    return int(client.xtrim(keys.receipts, minid=min_id, approximate=False))
 
 
 def emit(
