@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.coordinator import workspace
-from overnight.coordinator.workspace import Base, git, protected_of
+from overnight.coordinator.workspace import Base, protected_of
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def prepared(
     tree = folder / "tree"
     try:
         if commit is not None:
-            checked = _git_tree(base, globs, commit, tree, folder / "index")
+            checked = _git_tree(base, globs, commit, tree)
         else:
             assert frozen is not None
             checked = _snapshot_tree(base, globs, frozen, tree)
@@ -134,27 +134,53 @@ def prepared(
         remove_tree(folder)
 
 
-def _git_tree(base: Base, globs: Sequence[str], commit: str, tree: Path, index: Path) -> Checked:
+def _git_tree(base: Base, globs: Sequence[str], commit: str, tree: Path) -> Checked:
     assert base.sha is not None
-    common = workspace.common_dir(base.root)
     tree.mkdir(mode=0o755)
-    where = workspace.Where(common, str(tree), str(index))
-    git("read-tree", commit, at=where)
-    git("checkout-index", "--all", "--force", at=where)
-    for rel in protected_of(workspace.tree_files(base.root, commit), globs, base.named):
-        with contextlib.suppress(FileNotFoundError):
-            (tree / rel).unlink()
-    keep = protected_of(workspace.tree_files(base.root, base.sha), globs, base.named)
-    digests: dict[str, str] = {}
-    if keep:
-        git("read-tree", base.sha, at=where)
-        git("checkout-index", "--force", "--", *keep, at=where)
-        listing = git("ls-tree", "-z", base.sha, "--", *keep, cwd=base.root)
-        for row in filter(None, listing.split("\0")):
-            meta, _, path = row.partition("\t")
-            digests[path] = meta.split()[2]
-    index.unlink(missing_ok=True)
+    entries = workspace.tree_entries(base.root, commit)
+    shown = [e for e in entries if not workspace.is_protected(e.path, globs, base.named)]
+    kept = [
+        e
+        for e in workspace.tree_entries(base.root, base.sha)
+        if workspace.is_protected(e.path, globs, base.named)
+    ]
+    for chunk in range(0, len(shown) + len(kept), CHUNK):
+        part = [*shown, *kept][chunk : chunk + CHUNK]
+        blobs = workspace.read_blobs(base.root, [e.sha for e in part])
+        for e in part:
+            write_entry(tree, e.path, e.mode, blobs[e.sha])
+    digests = {e.path: e.sha for e in kept}
     return Checked(str(tree), str(tree / base.subdir), commit=commit, protected=digests)
+
+
+CHUNK = 256
+
+
+def write_entry(tree: Path, rel: str, mode: str, data: bytes) -> None:
+    """Write one file of a prepared tree at ``rel`` (a '/'-path) without ever following a
+    link the agent left: a link or a file where a folder belongs is replaced by the folder."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts) or parts[0] == ".git":
+        raise OSError(f"refusing to write {rel!r}")
+    here = tree
+    for part in parts[:-1]:
+        here = here / part
+        if here.is_symlink() or (here.exists() and not here.is_dir()):
+            here.unlink()
+        if not here.exists():
+            here.mkdir()
+    dest = here / parts[-1]
+    if dest.is_symlink() or dest.is_file():
+        dest.unlink()
+    elif dest.is_dir():
+        remove_tree(dest)
+    if mode == "120000":
+        os.symlink(data, dest)
+        return
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.chmod(dest, 0o755 if mode == "100755" else 0o644)
 
 
 def _snapshot_tree(base: Base, globs: Sequence[str], frozen: Path, tree: Path) -> Checked:
@@ -168,12 +194,11 @@ def _snapshot_tree(base: Base, globs: Sequence[str], frozen: Path, tree: Path) -
             path.unlink()
     store = Path(base.snapshot_dir)
     for rel, digest in base.snapshot.items():
-        dest = tree / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(store / digest, dest)
-        os.chmod(dest, 0o644 | ((store / digest).stat().st_mode & 0o111))
-        if sha256_file(dest) != digest:
-            raise OSError(f"snapshot of {rel} does not match its recorded hash")
+        data = (store / digest).read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise OSError(f"the snapshot of {rel} does not match its recorded hash")
+        executable = (store / digest).stat().st_mode & 0o111
+        write_entry(tree, rel, "100755" if executable else "100644", data)
     return Checked(
         str(tree),
         str(tree / base.subdir),

@@ -200,6 +200,18 @@ class Where:
 
 def git(*args: str, cwd: str | None = None, at: Where | None = None, check: bool = True) -> str:
     """Run ``git ARGS`` (argv, never a shell); returns stdout. Raises :class:`GitError`."""
+    out = git_bytes(*args, cwd=cwd, at=at, check=check)
+    return out.decode("utf-8", "surrogateescape")
+
+
+def git_bytes(
+    *args: str,
+    cwd: str | None = None,
+    at: Where | None = None,
+    check: bool = True,
+    data: bytes | None = None,
+) -> bytes:
+    """:func:`git` with ``data`` on its stdin and its stdout as bytes."""
     argv = ["git"]
     for item in HARDENING:
         argv += ["-c", item]
@@ -213,7 +225,7 @@ def git(*args: str, cwd: str | None = None, at: Where | None = None, check: bool
     proc = subprocess.run(
         [*argv, *args],
         env=env,
-        stdin=subprocess.DEVNULL,
+        input=data if data is not None else b"",
         capture_output=True,
         timeout=GIT_TIMEOUT,
         check=False,
@@ -221,7 +233,50 @@ def git(*args: str, cwd: str | None = None, at: Where | None = None, check: bool
     if check and proc.returncode != 0:
         err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
         raise GitError(f"git {args[0] if args else ''}: {err[0] if err else proc.returncode}")
-    return proc.stdout.decode("utf-8", "surrogateescape")
+    return proc.stdout
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file of a commit's tree: its mode, blob id and path."""
+
+    mode: str
+    sha: str
+    path: str
+
+
+def tree_entries(root: str, sha: str, paths: Sequence[str] = ()) -> list[Entry]:
+    """The files (blobs and links; not submodules) of commit ``sha``, or those of ``paths``."""
+    extra = ["--", *paths] if paths else []
+    out = git("ls-tree", "-r", "-z", "--full-tree", sha, *extra, cwd=root)
+    entries = []
+    for row in filter(None, out.split("\0")):
+        meta, _, path = row.partition("\t")
+        mode, kind, blob = meta.split()
+        if kind == "blob":
+            entries.append(Entry(mode, blob, path))
+    return entries
+
+
+def read_blobs(root: str, shas: Sequence[str]) -> dict[str, bytes]:
+    """The bytes of each blob, read raw (no filter, no attribute, no config applies)."""
+    wanted = sorted(set(shas))
+    if not wanted:
+        return {}
+    out = git_bytes(
+        "cat-file", "--batch", cwd=root, data="".join(f"{s}\n" for s in wanted).encode()
+    )
+    blobs: dict[str, bytes] = {}
+    pos = 0
+    while pos < len(out):
+        end = out.index(b"\n", pos)
+        head = out[pos:end].decode().split()
+        if len(head) != 3:
+            raise GitError(f"git cat-file: unexpected reply {out[pos:end]!r}")
+        size = int(head[2])
+        blobs[head[0]] = out[end + 1 : end + 1 + size]
+        pos = end + 1 + size + 1
+    return blobs
 
 
 def repo_root(path: str) -> str | None:

@@ -361,3 +361,27 @@ def test_an_agent_tree_that_outlived_its_lease_is_not_verified(
     got = store.get(rec.id)
     assert got is not None and state_now == "paused_for_reconciliation" == got.state
     assert "outlived its lease" in got.detail and ran == ["agent"]
+
+
+@pytest.mark.parametrize("mode", ["worktree", "in-place"])
+def test_a_protected_folder_turned_into_a_link_is_never_written_through(
+    r: redis.Redis, namespace: str, tmp_path: Path, mode: str
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    agent = f"import os, shutil; shutil.rmtree('tests'); os.symlink({str(outside)!r}, 'tests')"
+    if mode == "worktree":
+        folder = make_repo(tmp_path / "repo")
+    else:
+        folder = tmp_path / "plain"
+        folder.mkdir()
+        (folder / "calc.py").write_text(BUGGY)
+        (folder / "check.py").write_text(CHECK)
+        (folder / "tests").mkdir()
+        (folder / "tests" / "test_calc.py").write_text(TEST)
+    rec = run(r, namespace, tmp_path, task_toml(folder, agent))
+    assert rec.state != "finished_verified"
+    verdict = rec.checkpoint.last_verdict
+    assert verdict is not None and PROTECTED_RULE in verdict.failed and "tests" in verdict.failed
+    assert sorted(p.name for p in outside.iterdir()) == ["test_ok.py"]
