@@ -275,7 +275,8 @@ def test_a_hostile_task_agent_leaves_the_task_envelope_and_receipts_truthful(
             "OVERNIGHT_QUEUE": namespace, "OVERNIGHT_GRACE": "0.5"}  # fmt: skip
     out = stage / "report.json"
     uid = str(step_user.uid)
-    rules = [["test", "-f", "ok.txt"], ["sh", "-c", f'test "$(id -u)" = {uid}']]
+    # The agent runs as the step user; its rules (issue 12) as overnight's own user.
+    rules = [["test", "-f", "ok.txt"], ["sh", "-c", f'test "$(id -u)" != {uid}']]
     hostile = task_file(stage, "hostile", [PY3, str(stage / "probe.py"),
                         str(redis_server.port), str(out)], rules)  # fmt: skip
     benign = task_file(stage, "benign", ["sh", "-c", "echo ok > ok.txt"], rules)
