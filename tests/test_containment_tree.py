@@ -27,7 +27,7 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.worker import cgroup
-from overnight.worker.stepuser import StepUser
+from overnight.worker.stepuser import StepUser, lookup
 from overnight.worker.supervisor import StepSpec, run_supervised
 from tests.helpers import OVERNIGHT, final_doc, wait_for
 
@@ -219,3 +219,41 @@ def test_the_proc_fallback_holds_too(
     assert result.kill is not None and not result.kill.via_cgroup
     assert result.kill.survivors == set()
     assert result.exit_code == (3 if mode == "deaf" else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["hop", "setsid", "deaf"])
+def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict[str, str]) -> None:
+    """The whole of `overnight supervise` as an unprivileged user (no cgroup, no step user):
+    the /proc path alone ends every escapee."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv")
+    nobody = lookup("nobody")
+    assert nobody is not None
+    stage = Path(tempfile.mkdtemp(prefix="overnight-plain-", dir="/tmp"))
+    try:
+        (stage / "escape.py").write_text(ESCAPE)
+        os.chmod(stage, 0o755)
+        os.chown(stage, nobody.uid, nobody.gid)
+        mark = f"overnight-escape-{uuid.uuid4().hex}"
+        plain = {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"}
+        as_nobody = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+        probe = subprocess.run([*as_nobody, sys.executable, "-c", "import redis"], cwd="/",
+                               capture_output=True, timeout=30, check=False)  # fmt: skip
+        if probe.returncode != 0:
+            # Root's interpreter out of reach (pyenv under /root): the system Python stands
+            # in, whose 3.11 makes redis-py import async_timeout; asyncio's does the job.
+            (stage / "shim").mkdir()
+            (stage / "shim" / "async_timeout.py").write_text("from asyncio import timeout\n")
+            plain["PYTHONPATH"] = str(stage / "shim")
+        args = ["--gap", "3", "--grace", "0.5", "--no-output-beats", "--"]
+        proc = subprocess.run([*as_nobody, OVERNIGHT, "supervise", *args,
+                               *argv(stage, mode, mark)], env=plain, cwd=stage,
+                              capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert marked(mark) == [], proc.stderr[-2000:]
+        assert ran(stage) == [mode], proc.stderr[-2000:]
+        assert proc.returncode == (3 if mode == "deaf" else 0), proc.stderr[-2000:]
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
