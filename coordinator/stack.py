@@ -53,6 +53,7 @@ class Stack:
     up_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     redis: EmbeddedRedis | None = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    member_env: dict[str, dict[str, str]] = field(default_factory=dict)  # kept for restarts
     argvs: dict[str, list[str]] = field(default_factory=dict)
     restarts: dict[str, list[float]] = field(default_factory=dict)
     given_up: set[str] = field(default_factory=set)
@@ -76,12 +77,14 @@ class Stack:
     ) -> subprocess.Popen[bytes]:
         """Start one member process (``env`` added to the stack's); its output goes to
         ``state_dir/logs/<name>.log``."""
+        env = self.member_env.get(name, {}) if env is None else env  # a restart: as before
+        self.member_env[name] = env
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{name}.log", "ab") as out:
             proc = subprocess.Popen(
                 argv,
-                env={**self.env, **(env or {})},
+                env={**self.env, **env},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

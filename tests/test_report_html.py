@@ -349,3 +349,32 @@ def test_until_ends_a_night_with_a_hung_step_and_the_task_resumes(
     assert final["state"] == "finished_verified"
     assert final["turns"] == 1  # the stopped agent step ran again in the same turn
     wait_for(lambda: len([b for b in bodies if b["event"] == "night_ended"]) == 2, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_serves_metrics_and_counts_its_reaper_passes(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [OVERNIGHT, "coordinator", "--interval", "0.2"],
+        cwd=tmp_path, env={**env, "OVERNIGHT_METRICS_PORT": str(port), "OVERNIGHT_BUDGET": "7"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+
+        def passes() -> float:
+            try:
+                return scrape(port)["overnight_reaper_passes_total{}"]
+            except OSError:
+                return 0.0
+
+        first = wait_for(passes, timeout=30)
+        assert wait_for(lambda: passes() > first, timeout=30)
+        samples = scrape(port)
+        assert samples["overnight_envelope_remaining_calls{envelope=default}"] == 7
+        assert samples["overnight_tasks{state=queued}"] == 0
+        assert samples["overnight_redis_up{}"] == 1
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
