@@ -4,7 +4,8 @@ and Anthropic Messages answers, JSON and SSE, with known usage.
 Run as ``python tests/scripted_upstream.py``: it listens on a free loopback port and prints
 ``port N``. The model name scripts the answer: a name containing ``tool`` asks for two tool
 calls, ``nousage`` reports no usage, ``e500`` answers HTTP 500, ``slow<N>`` waits N seconds
-before answering, ``long`` streams 200 chunks 20 ms apart. ``GET /_seen`` returns every
+before answering, ``long`` streams 200 chunks 20 ms apart, ``big`` streams 50,000 characters
+of chat text. ``GET /_seen`` returns every
 request it got (path, query, headers, body).
 """
 
@@ -43,7 +44,8 @@ def chat(model: str, stream: bool, include_usage: bool) -> tuple[Any, list[bytes
     base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": model}
     events = [_sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                  "content": ""}}]})]  # fmt: skip
-    for word in ("h", "i"):
+    words = ["x" * 1000] * 50 if "big" in model else ["h", "i"]
+    for word in words:
         events.append(_sse({**base, "choices": [{"index": 0, "delta": {"content": word}}]}))
     if tools:
         for i in range(2):

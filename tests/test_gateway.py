@@ -369,3 +369,31 @@ def test_client_disconnect_commits_real_usage(gw: Gw) -> None:
     assert row["tokens"] == UP_TOKENS and row["estimated"] is False
     state = gw.envelope().snapshot()
     assert (state.consumed_tokens, state.reserved_tokens) == (UP_TOKENS, 0)
+
+
+def test_a_stream_holds_more_in_chunks_and_is_cut_when_refused(gw: Gw) -> None:
+    msgs: Any = [{"role": "user", "content": "x"}]
+    # 50,000 characters are about 16,700 tokens by the running estimate: two more chunks.
+    gw.envelope().reset(10, max_tokens=100_000)
+    _, token = gw.grant()
+    text = "".join(c.choices[0].delta.content or "" for c in gw.openai(token).chat.completions
+                   .create(model="m-big", messages=msgs, stream=True) if c.choices)  # fmt: skip
+    assert len(text) == 50_000
+    (row,) = gw.calls()
+    assert row["hold"] > 2 * 8192 and row["tokens"] == UP_TOKENS and not row["cut"]
+    assert gw.envelope().snapshot().reserved_tokens == 0
+    # Under a cap of 10,000 the first chunk fits, the second does not: the stream is cut
+    # with the format's error event, charged its usage (or its whole hold when the usage
+    # had not come yet), never past the cap.
+    gw.envelope().reset(10, max_tokens=10_000)
+    _, token = gw.grant()
+    with pytest.raises(openai.APIError, match="token cap reached mid-stream"):
+        for _ in gw.openai(token).chat.completions.create(model="m-big", messages=msgs,
+                                                          stream=True):  # fmt: skip
+            pass
+    row = gw.calls()[-1]
+    assert row["cut"] and row["tokens"] in (UP_TOKENS, row["hold"])
+    state = gw.envelope().snapshot()
+    assert state.consumed_tokens == row["tokens"] <= 10_000
+    assert state.reserved_tokens == 0
+    assert len(gw.calls("call_refused")) == 1

@@ -230,6 +230,7 @@ class _Call:
         self.disconnected = False
         self.response_bytes = 0
         self.settled = False
+        self.cut = False  # a stream cut short because its next chunk of tokens was refused
 
     async def run(self) -> web.StreamResponse:
         session = self.gw.session
@@ -291,6 +292,8 @@ class _Call:
                         last += event  # sent once settled: a client that saw the end sees it
                     else:
                         send += event
+                if not self.disconnected and await self._outgrown(out, send):
+                    return out
                 if self.disconnected:
                     if (time.monotonic() > drain_until
                             or self.response_bytes > DRAIN_BYTES):  # fmt: skip
@@ -317,6 +320,33 @@ class _Call:
                 await out.write_eof()
         return out
 
+    async def _outgrown(self, out: web.StreamResponse, send: bytearray) -> bool:
+        """Hold another chunk if the stream's output is about to pass its hold; if that is
+        refused, send what came, then the format's error event: True when the stream is cut."""
+        held_output = self.hold.tokens - len(self.body) // wire.BYTES_PER_TOKEN - 1
+        if self.ask.max_output is not None and held_output >= self.ask.max_output:
+            return False  # the model cannot write more than was asked, and that is held
+        if wire.streamed_tokens(self.usage) < held_output:
+            return False
+        try:
+            self.hold = await self.gw.meter.extend(self.who, self.hold, wire.HOLD_CHUNK,
+                                                   self.route)  # fmt: skip
+            return False
+        except Refused as exc:
+            status, message = 429, exc.detail
+        except Exception as exc:  # the ledger is away: fail closed
+            status, message = 503, f"the gateway cannot reach its ledger: {_reason(exc)}"
+        log.info("gateway: lease=%s task=%s: stream cut: %s", self.who.lease_id,
+                 self.who.task_id, message)  # fmt: skip
+        self.cut = True
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            if send:
+                await out.write(bytes(send))
+                send.clear()
+            await out.write(wire.stream_error_event(self.route, status, message))
+            await out.write_eof()
+        return True
+
     async def _tell(self, out: web.StreamResponse, status: int, message: str) -> None:
         if self.disconnected:
             return
@@ -335,7 +365,7 @@ class _Call:
             tokens = 0
         elif usage.found and (self.complete or usage.output > 0 or not self.disconnected):
             tokens = usage.tokens
-        elif self.disconnected and not self.complete:
+        elif self.cut or (self.disconnected and not self.complete):
             tokens, estimated = self.hold.tokens, True
         else:
             usage = wire.estimate(len(self.body), self.response_bytes)
@@ -348,7 +378,7 @@ class _Call:
                 "tool_calls": usage.tools, "model_units": 0 if refund else 1,
                 "prepaid": self.hold.prepaid, "hold": self.hold.tokens,
                 "duration_ms": round((time.monotonic() - self.started) * 1000, 1),
-                "disconnected": self.disconnected, "estimated": estimated,
+                "disconnected": self.disconnected, "estimated": estimated, "cut": self.cut,
                 "refunded": refund}  # fmt: skip
         try:
             await self.gw.meter.commit(self.who, self.hold, tokens=tokens,

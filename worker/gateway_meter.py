@@ -72,6 +72,7 @@ class Meter:
         lib = source("envelope_lib")
         self._reserve = client.register_script(lib + "\n" + source("gateway_reserve"))
         self._commit = client.register_script(lib + "\n" + source("gateway_commit"))
+        self._extend = client.register_script(lib + "\n" + source("gateway_extend"))
         self._progress = client.register_script(source("gateway_progress"))
         self._cache: OrderedDict[str, Holder] = OrderedDict()
 
@@ -121,6 +122,20 @@ class Meter:
         if int(res[0]) != 1:
             raise Refused(str(res[1]), str(res[2]))
         return Hold(str(res[4]), int(res[2]), str(res[3]) == "1")
+
+    async def extend(self, who: Holder, hold: Hold, chunk: int, route: str) -> Hold:
+        """Hold ``chunk`` more tokens for a stream that outgrew its hold, or raise
+        :class:`Refused` (the grant then refuses every later request too)."""
+        k = self.keys
+        keys = [k.lease_grant(who.lease_id), k.envelope(who.envelope),
+                k.envelope_reservations(who.envelope), k.receipts]  # fmt: skip
+        if who.task_id:
+            keys.append(k.task(who.task_id))
+        args: list[str | int] = [who.context, hold.member, chunk, HOLD_TTL_MS, route]
+        res: list[Any] = await self._extend(keys=keys, args=args)
+        if int(res[0]) != 1:
+            raise Refused(str(res[1]), str(res[2]))
+        return Hold(str(res[2]), hold.tokens + chunk, hold.prepaid)
 
     async def commit(
         self,

@@ -132,6 +132,9 @@ class Usage:
     cache_write: int = 0
     tools: int = 0
     found: bool = False
+    # Characters of text and tool arguments streamed so far: what the running hold is
+    # measured against (:func:`streamed_tokens`).
+    chars: int = 0
     # chat stream tool calls seen: (choice index, tool call index)
     _calls: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
@@ -139,6 +142,20 @@ class Usage:
     def tokens(self) -> int:
         """What a token cap counts: input (cache reads and writes too) plus output."""
         return self.input + self.cache_read + self.cache_write + self.output
+
+
+def _len(value: Any) -> int:
+    return len(value) if isinstance(value, str) else 0
+
+
+# A running stream's output is measured as characters / 3: above the real token count for
+# text and code (about 4 characters a token), so the running hold stays ahead of it.
+CHARS_PER_TOKEN = 3
+
+
+def streamed_tokens(usage: Usage) -> int:
+    """Output tokens a stream has sent so far, estimated from its text on the high side."""
+    return usage.chars // CHARS_PER_TOKEN + 1
 
 
 def _int(value: Any) -> int:
@@ -214,13 +231,21 @@ def feed_event(route: Route, data: Any, out: Usage) -> None:
             _openai_usage(data.get("usage"), out, chat=True)
         for choice in data.get("choices") or []:
             delta = choice.get("delta") if isinstance(choice, dict) else None
-            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            if not isinstance(delta, dict):
+                continue
+            out.chars += _len(delta.get("content")) + _len(delta.get("reasoning_content"))
+            calls = delta.get("tool_calls")
             for call in calls if isinstance(calls, list) else []:
                 if isinstance(call, dict):
                     out._calls.add((_int(choice.get("index")), _int(call.get("index"))))
+                    function = call.get("function")
+                    if isinstance(function, dict):
+                        out.chars += _len(function.get("arguments"))
         out.tools = len(out._calls)
     elif route == "responses":
         kind = data.get("type")
+        if isinstance(kind, str) and kind.endswith(".delta"):
+            out.chars += _len(data.get("delta"))
         if kind in ("response.completed", "response.incomplete", "response.failed"):
             response = data.get("response")
             if isinstance(response, dict):
@@ -234,6 +259,11 @@ def feed_event(route: Route, data: Any, out: Usage) -> None:
                 _anthropic_usage(message.get("usage"), out)
         elif kind == "message_delta":
             _anthropic_usage(data.get("usage"), out)
+        elif kind == "content_block_delta":
+            delta = data.get("delta")
+            if isinstance(delta, dict):
+                out.chars += sum(_len(delta.get(key)) for key in ("text", "partial_json",
+                                                                  "thinking"))  # fmt: skip
         elif kind == "content_block_start":
             block = data.get("content_block")
             if isinstance(block, dict) and block.get("type") == "tool_use":
