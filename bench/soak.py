@@ -5,14 +5,19 @@ redis-server, several ``overnight worker`` processes and an ``overnight reaper``
 shared envelope, keeps tasks coming (agents that take random short times, some that hang
 silently until their gap kills them), and for ``--seconds`` SIGKILLs random work horses
 (the in-process supervisors of the steps), workers and the reaper, restarting what it
-killed. Then it lets the system settle and checks every invariant of issue 7:
+killed. A third of the way in it holds Redis at ``maxmemory`` (noeviction: every write
+refused with OOM) for a while, and two thirds in it restarts Redis (its AOF keeps the
+data); every worker and the reaper must live through both (issue 14). Then it lets the
+system settle and checks every invariant of issue 7:
 
 - envelope arithmetic: budget == remaining + consumed_model + consumed_tool; every
   consumed unit has exactly one request id with an allowed answer (none lost or doubled),
   and every such request id is charged to its task's own ``calls_used``;
 - every task is terminal or paused, with a ``task_state`` receipt for that state;
 - every lease is ended, with exactly one terminal receipt;
-- no process tagged with any lease of the run is alive (orphans).
+- no process tagged with any lease of the run is alive (orphans);
+- every worker and the reaper alive before the Redis stall and the Redis restart is alive
+  after them.
 
 Exit 0 if every invariant holds, else 1.
 """
@@ -32,6 +37,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -87,6 +93,7 @@ class SoakResult:
     lost_units: int = 0
     doubled_units: int = 0
     settle_seconds: float = 0.0
+    redis_events: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -105,6 +112,7 @@ class SoakResult:
             f"envelope: budget {self.budget} = remaining {self.remaining} + consumed "
             f"{self.consumed} (model {self.consumed_model}, tool {self.consumed_tool}); "
             f"tasks' calls_used {self.calls_used}",
+            f"Redis events: {'; '.join(self.redis_events) or 'none'}",
             f"orphans found: {self.orphans}",
             f"lost units: {self.lost_units}, doubled units: {self.doubled_units}",
             "invariants: " + ("all hold" if not self.problems else "; ".join(self.problems)),
@@ -213,11 +221,15 @@ class Soak:
         for _ in range(self.n_workers):
             self.start_worker()
         self.submit(2 * self.n_workers)
-        end = time.monotonic() + seconds
+        began = time.monotonic()
+        end = began + seconds
+        events = [(began + seconds / 3, self._stall), (began + 2 * seconds / 3, self._restart)]
         next_wave = time.monotonic() + 1.0
         try:
             while time.monotonic() < end:
                 time.sleep(self.rng.uniform(0.2, 0.6))
+                if events and time.monotonic() >= events[0][0]:
+                    self._survived(result, events.pop(0)[1])
                 self._inject(result)
                 if time.monotonic() >= next_wave:
                     states = self.task_states().values()
@@ -250,6 +262,42 @@ class Soak:
             self.reaper.wait(10)
             result.kills["reaper"] += 1
         self._heal()
+
+    # --- Redis trouble: nobody may die of it ---------------------------------------------------
+    def _survived(self, result: SoakResult, event: Callable[[], str]) -> None:
+        """Run a Redis event; every worker and the reaper alive before it must be after."""
+        before = [*self.live_workers(), *([self.reaper] if self.reaper else [])]
+        before = [p for p in before if p.poll() is None]
+        what = event()
+        time.sleep(0.5)  # what would die of it has had time to
+        dead = [p.pid for p in before if p.poll() is not None]
+        result.redis_events.append(f"{what}, {len(before) - len(dead)}/{len(before)} "
+                                   "processes alive after it")  # fmt: skip
+        if dead:
+            result.problems.append(f"{what}: processes died: {dead}")
+
+    def _stall(self, hold: float = 1.5) -> str:
+        """Hold Redis at maxmemory (noeviction) for ``hold`` seconds: writes refused (OOM)."""
+        used = int(self.client.info("memory")["used_memory"])
+        self.client.config_set("maxmemory-policy", "noeviction")
+        self.client.config_set("maxmemory", str(used // 2))
+        refused = 0
+        until = time.monotonic() + hold
+        while time.monotonic() < until:
+            try:
+                self.client.set("soak-probe", "x")
+            except redis.exceptions.OutOfMemoryError:
+                refused += 1
+            time.sleep(0.05)
+        self.client.config_set("maxmemory", "0")
+        return f"maxmemory stall {hold:g}s ({refused} probe writes refused)"
+
+    def _restart(self) -> str:
+        """Stop Redis (SIGTERM; the AOF is written on every write) and start it again."""
+        began = time.monotonic()
+        self.server.stop()
+        self.server.start()
+        return f"Redis restart ({time.monotonic() - began:.1f}s down)"
 
     def _heal(self) -> None:
         while len(self.live_workers()) < self.n_workers:
@@ -387,7 +435,7 @@ def run_soak(
     """Run one soak on a private redis-server in a temporary directory."""
     work = Path(tempfile.mkdtemp(prefix="overnight-soak-"))
     seed = random.randrange(2**32) if seed is None else seed
-    server = EmbeddedRedis(work / "redis")
+    server = EmbeddedRedis(work / "redis", appendonly=True)
     server.start()
     try:
         soak = Soak(server, work, workers, seed)

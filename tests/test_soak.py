@@ -1,4 +1,5 @@
-"""SIGKILL at every point, in CI: the bench.soak harness for a short run, every invariant held."""
+"""SIGKILL at every point, in CI: the bench.soak harness for a short run, every invariant held,
+with a Redis maxmemory stall and a Redis restart in the middle that every process lives through."""
 
 from __future__ import annotations
 
@@ -16,3 +17,4 @@ def test_soak_kills_lose_double_and_orphan_nothing() -> None:
     assert result.tasks >= 6 and result.leases == result.leases_ended > 0
     assert result.budget == result.remaining + result.consumed
     assert result.orphans == 0 and result.lost_units == 0 and result.doubled_units == 0
+    assert len(result.redis_events) == 2, result.redis_events
