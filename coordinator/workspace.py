@@ -376,7 +376,7 @@ def open_worktree(root: str, base_sha: str, branch: str, path: Path) -> Worktree
     if not path.exists():
         if branch_exists(root, branch):
             raise GitError(f"branch {branch} already exists; a task branch is never reused")
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)  # a step user walks through
         git("worktree", "add", "-b", branch, str(path), base_sha, cwd=root)
     admin = _admin_dir(root, str(path))
     if admin is None:

@@ -4,12 +4,16 @@ the morning gets: status fields, `overnight diff`, the report's diffstat, worktr
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from overnight.worker.stepuser import StepUser
 from tests.helpers import OVERNIGHT
 from tests.repos import FIX, FIXED, make_repo, sh, task_toml
 
@@ -76,7 +80,7 @@ def test_two_workers_two_branches_and_the_morning_view(
     base = sh(repo, "rev-parse", "HEAD").strip()
     for mine, other in (("one", "two"), ("two", "one")):
         st = status(wenv, mine)
-        assert st["state"] == "finished_verified", st
+        assert st["state"] == "finished_verified", (st["detail"], st.get("endings"))
         branch = f"overnight/{mine}"
         assert (st["base"], st["branch"]) == (base, branch)
         assert st["head"] == sh(repo, "rev-parse", branch).strip()
@@ -134,3 +138,39 @@ def test_diff_of_a_task_without_a_branch_is_one_line(wenv: dict[str, str], tmp_p
     proc = cli(wenv, "diff", "plain-task")
     assert proc.returncode == 64 and len(proc.stderr.strip().splitlines()) == 1
     assert "did not work on a branch" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_agent_works_as_the_step_user_and_the_rules_run_as_overnight(
+    wenv: dict[str, str], step_user: StepUser
+) -> None:
+    # pytest's tmp folders are root's and 0700: the step user needs a path it can walk.
+    top = Path(tempfile.mkdtemp(prefix="overnight-ws-", dir="/tmp"))
+    try:
+        os.chmod(top, 0o755)
+        env = {**wenv, "OVERNIGHT_STEP_USER": step_user.name,
+               "OVERNIGHT_STATE_DIR": str(top / "state")}  # fmt: skip
+        env.pop("OVERNIGHT_ALLOW_ROOT_STEPS", None)
+        assert cli(env, "envelope", "reset", "20").returncode == 0
+        repo = make_repo(top / "repo")
+        agent = f"import os; assert os.getuid() == {step_user.uid}, os.getuid(); " + FIX
+        rules = [
+            {"name": "check", "run": ["python3", "check.py"]},
+            {"name": "as-overnight", "run": ["sh", "-c", f'test "$(id -u)" != {step_user.uid}']},
+        ]
+        path = task_toml(repo, agent, name="as-user", id="as-user", verifier=rules)
+        # The system's python3: the step user may not be able to run the test's venv one.
+        data = json.loads(path.read_text())
+        data["agent"] = ["python3", "-c", agent]
+        path.write_text(json.dumps(data))
+        proc = cli(env, "submit", str(path))
+        assert proc.returncode == 0, proc.stderr
+        worker = cli(env, "worker", "--burst", timeout=120)
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        st = status(env, "as-user")
+        assert st["state"] == "finished_verified", (st["detail"], st.get("endings"))
+        assert sh(repo, "show", "overnight/as-user:calc.py") == FIXED
+        author = sh(repo, "log", "-1", "--format=%an", "overnight/as-user").strip()
+        assert author == "overnight"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
