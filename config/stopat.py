@@ -61,12 +61,17 @@ def check_format(text: str) -> str:
 
 
 def stop_unix(text: str | None, now: datetime) -> float | None:
-    """The unix time of the night's end, or None if unset; a passed ISO time is returned as
-    is (a worker started after the night ended must not start steps)."""
+    """The unix time of the night's end as a worker reads the setting, or None if unset. A
+    passed ISO time is returned as is, and a clock time names its occurrence nearest to
+    ``now`` (one that passed up to 12 hours ago counts): a worker that picks up a task just
+    after the night ended must not start it."""
     if not text:
         return None
     try:
-        return parse_stop_at(text, now).timestamp()
+        at = parse_stop_at(text, now)
+        if _CLOCK.fullmatch(text.strip()) and at - now > timedelta(hours=12):
+            at -= timedelta(days=1)
+        return at.timestamp()
     except StopAtError as exc:
         if not exc.in_past:
             raise

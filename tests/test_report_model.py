@@ -236,6 +236,11 @@ def test_parse_stop_at_refuses(text: str, in_past: bool) -> None:
 
 def test_stop_unix_keeps_a_passed_time() -> None:
     assert stop_unix(None, NOW) is None
+    # A clock time as a worker reads it: the nearest occurrence (22:30 now).
+    assert stop_unix("07:00", NOW) == datetime(2026, 12, 4, 7, 0, tzinfo=UTC).timestamp()
+    assert stop_unix("22:29", NOW) == datetime(2026, 12, 3, 22, 29, tzinfo=UTC).timestamp()
+    assert stop_unix("10:31", NOW) == datetime(2026, 12, 3, 10, 31, tzinfo=UTC).timestamp()
+    assert stop_unix("10:29", NOW) == datetime(2026, 12, 4, 10, 29, tzinfo=UTC).timestamp()
     assert stop_unix("2026-12-03T22:00+00:00", NOW) == (NOW - timedelta(minutes=30)).timestamp()
 
 
