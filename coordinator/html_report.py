@@ -451,6 +451,7 @@ padding:2px 6px;border-radius:3px}
 pre{background:#f6f8fa;padding:6px;max-height:320px;overflow:auto;white-space:pre-wrap;
 word-break:break-all;font-size:12px}
 .endings{font-size:12px;color:#8e2b2b;margin:4px 0}
+.ledger{font-size:12px;display:block;overflow-x:auto}.ledger td,.ledger th{padding:2px 6px}
 """
 
 
