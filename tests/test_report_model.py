@@ -396,3 +396,10 @@ def test_night_notifies_a_pause_once_and_ends_after_its_stop(tmp_path: Any) -> N
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_empty_night_still_renders() -> None:
+    report = build([], [], {}, T0)
+    assert report.wall_sec == 0 and report.bars == () and report.counts == {}
+    page = html_report.render(report)
+    assert "0 tasks" in page and "Nothing needs you" in page
