@@ -5,8 +5,11 @@ Run: ``.venv/bin/python -m bench.gateway`` (about a minute). It starts a private
 redis-server, the scripted upstream of the tests (``tests/scripted_upstream.py``) and
 ``overnight gateway``, then measures the same requests sent to the upstream directly and
 through the gateway, interleaved: non-streaming latency (p50, p99), streaming time to first
-byte, and 200 streams held at once (all answered 200, each read to its end). Goals (issue 13):
-p50 added <= 2 ms, 200 concurrent streams on this machine, gateway RSS <= 80 MB.
+byte, and 200 streams held at once (all answered 200, each read to its end). With
+``--litellm BIN`` (the ``litellm`` command of a bench-only venv: ``pip install
+'litellm[proxy]'``, never the project's) LiteLLM's proxy is measured the same way on the same
+upstream in the same run. Goals (issue 13): p50 added <= 2 ms and <= 0.5 x LiteLLM's, 200
+concurrent streams on this machine, gateway RSS <= 80 MB.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -113,6 +117,35 @@ async def _streams(url: str, token: str, count: int) -> dict[str, float]:
             "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
 
 
+def _litellm(binary: str, direct: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """LiteLLM's proxy on a free port, routing model ``m`` to the same upstream."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = work / "litellm.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: m\n    litellm_params:\n      model: openai/m\n"
+        f"      api_base: {direct}/v1\n      api_key: sk-bench\n"
+    )
+    env = {**os.environ, "LITELLM_LOG": "ERROR"}
+    with (work / "litellm.log").open("wb") as out:
+        proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1",
+                                 "--port", str(port), "--num_workers", "1"],
+                                env=env, stdout=out, stderr=out)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health/liveliness", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"LiteLLM did not start: {(work / 'litellm.log').read_text()[-2000:]}")
+
+
 def _rss_mb(pid: int) -> tuple[float, float]:
     fields = dict(
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
@@ -124,6 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--streams", type=int, default=200)
+    parser.add_argument("--litellm", metavar="BIN", help="also measure LiteLLM's proxy")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         up = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
@@ -152,6 +186,20 @@ def main() -> None:
                 "stream_first_byte": _paired(direct, url, token, args.requests // 2, True),
                 "concurrent": asyncio.run(_streams(url, token, args.streams)),
             }
+            if args.litellm:
+                lite, lite_url = _litellm(args.litellm, direct, Path(tmp))
+                try:
+                    report["litellm_json"] = _paired(direct, lite_url, "sk-bench",
+                                                     args.requests, stream=False)  # fmt: skip
+                    report["litellm_stream_first_byte"] = _paired(
+                        direct, lite_url, "sk-bench", args.requests // 2, True
+                    )
+                finally:
+                    lite.terminate()
+                    lite.wait(20)
+                ours = report["json"]["added_p50_ms"]
+                theirs = report["litellm_json"]["added_p50_ms"]
+                report["added_p50_ratio_to_litellm"] = round(ours / theirs, 3) if theirs else None
             rss, peak = _rss_mb(gw.pid)
             report["gateway_rss_mb"] = {"idle": round(idle, 1), "after": round(rss, 1),
                                         "peak": round(peak, 1)}  # fmt: skip
