@@ -83,6 +83,7 @@ class Host:
     link: str  # the Redis side of its veth pair (in the Redis namespace)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    model_url: str | None = None  # a scripted upstream on the host's own loopback
 
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
@@ -185,6 +186,8 @@ class Cluster:
         addr = host.redis_addr if host is not None else self.coord_addr
         env["OVERNIGHT_REDIS_URL"] = self.url(addr)
         env["OVERNIGHT_HOST_ID"] = host.host_id if host is not None else f"coord-{self.tag}"
+        if host is not None and host.model_url:
+            env["OVERNIGHT_MODEL_URL"] = host.model_url
         env.update(extra)
         return env
 
@@ -198,6 +201,19 @@ class Cluster:
         argv = self._in(self.coord_ns, f"coord-{self.tag}", [OVERNIGHT, *args])
         return subprocess.run(argv, env=self.env(), capture_output=True, text=True,
                               timeout=timeout, check=False)  # fmt: skip
+
+    def start_upstream(self, host: Host) -> str:
+        """tests/scripted_upstream.py on the host's own loopback; the host's gateway (one per
+        host, started by its first worker) forwards model requests to it."""
+        script = Path(__file__).with_name("scripted_upstream.py")
+        argv = self._in(host.netns, host.host_id, [sys.executable, str(script)])
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        proc.stdout.close()
+        host.procs.append(proc)
+        host.model_url = f"http://127.0.0.1:{line.split()[1]}"
+        return host.model_url
 
     def start_worker(self, host: Host, *, reaper: bool) -> subprocess.Popen[bytes]:
         """``overnight worker [--with-reaper]`` on ``host``, its output in a log file."""
@@ -303,6 +319,32 @@ open("ok.txt", "w").close()
 """
 
 
+# The same, but its work is model requests through its host's gateway (the step's
+# environment names it): N requests a run; a refused one (429: the envelope is spent) ends
+# the run's requests.
+GATEWAY_AGENT = """\
+import json, os, socket, sys, time, uuid, urllib.request, urllib.error
+trace, task, times = sys.argv[1], sys.argv[2], int(sys.argv[3])
+run, host = uuid.uuid4().hex[:12], socket.gethostname()
+def mark():
+    with open(trace, "a") as fh:
+        fh.write(f"{task} {host} {run} {os.getpid()} {time.time():.3f}\\n")
+mark()
+for _ in range(times):
+    req = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": []}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                 "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30).read()
+    except urllib.error.HTTPError:
+        break
+    print(run, time.time(), flush=True)
+    mark()
+"""
+
+
 @dataclass(frozen=True)
 class Run:
     """One run of one task's agent, as its trace lines show it."""
@@ -315,9 +357,9 @@ class Run:
     end: float
 
 
-def write_agent(folder: Path) -> Path:
-    path = folder / "agent.py"
-    path.write_text(AGENT)
+def write_agent(folder: Path, gateway: bool = False) -> Path:
+    path = folder / ("gateway_agent.py" if gateway else "agent.py")
+    path.write_text(GATEWAY_AGENT if gateway else AGENT)
     return path
 
 

@@ -190,3 +190,38 @@ def test_a_cut_off_host_fails_closed_and_never_runs_a_task_twice_at_once(
     tokens = [int(d["token"]) for d in leases(c)]
     assert len(tokens) == len(set(tokens))  # no fencing token repeats
     assert joined_at > cut_at
+
+
+def test_one_budget_of_calls_and_tokens_through_each_hosts_gateway(
+    make_cluster: Any, tmp_path: Path
+) -> None:
+    c: Cluster = make_cluster(3)
+    trace = tmp_path / "trace.txt"
+    assert c.coordinator("envelope", "reset", "45").returncode == 0
+    agent = [sys.executable, str(write_agent(tmp_path, gateway=True)), str(trace)]
+    files = [
+        task_file(tmp_path, f"gw-{i}", [*agent, f"gw-{i}", "2"], [["false"]], max_calls=50)
+        for i in range(6)
+    ]
+    ids = submit(c, *files)
+    for host in c.hosts:
+        c.start_upstream(host)
+        c.start_worker(host, reaper=True)
+        c.start_worker(host, reaper=False)
+
+    def drained() -> bool:
+        return all(s == "halted_at_call_ceiling" for s in states(c, ids).values())
+
+    wait_for(drained, timeout=50, interval=0.2)
+    used = [status(c, t)["calls_used"] for t in ids]
+    env = envelope(c)
+    consumed = env["consumed_model"] + env["consumed_tool"]
+    keys = Keys(c.namespace)
+    receipts = c.client.xrange(keys.receipts)
+    calls = [f for _, f in receipts if '"model_call"' in json.dumps(f)]
+    print(f"\nhosts figure: 3 hosts' gateways, envelope 45: consumed {consumed} (model "
+          f"{env['consumed_model']}, tool {env['consumed_tool']}), tasks' calls_used "
+          f"{sum(used)}, tokens {env['consumed_tokens']} for {len(calls)} requests")  # fmt: skip
+    assert (consumed, sum(used), env["remaining"]) == (45, 45, 0)
+    assert env["consumed_tokens"] == len(calls) * (11 + 7)  # the scripted upstream's usage
+    assert len({r.host for r in runs(trace)}) >= 2  # the work was shared
