@@ -92,7 +92,8 @@ ESCAPE = textwrap.dedent(
             mark.encode() in open(f"/proc/{p}/cmdline", "rb").read()
             for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/cmdline")
         ):
-            time.sleep(0.02)
+            print("waiting for the escapee", flush=True)  # a beat: this can be slow
+            time.sleep(0.1)
         ran(mode)
         print("launched", flush=True)
     if mode == "deaf":
@@ -185,7 +186,7 @@ def test_no_escapee_outlives_the_lease(
 ) -> None:
     mark = f"overnight-escape-{uuid.uuid4().hex}"
     env = {**env, "OVERNIGHT_STEP_USER": step_user.name}
-    args = ["--gap", "3", "--grace", "0.5", "--no-output-beats", "--"]
+    args = ["--gap", "6", "--grace", "0.5", "--"]
     proc = subprocess.run([OVERNIGHT, "supervise", *args, *argv(stage, mode, mark)], env=env,
                           cwd=stage, capture_output=True, text=True, timeout=90)  # fmt: skip
     # At the moment the lease has ended, nothing of the tree is alive: no wait here.
@@ -210,8 +211,8 @@ def test_the_proc_fallback_holds_too(
     """Where no cgroup can be made (a plain user), the /proc path ends the tree: repeated
     scans to a fixed point, SIGSTOP before SIGKILL."""
     mark = f"overnight-escape-{uuid.uuid4().hex}"
-    spec = StepSpec(argv=argv(stage, mode, mark), cwd=str(stage), gap=3, grace=0.5,
-                    output_beats=False, user=step_user, contain=False)  # fmt: skip
+    spec = StepSpec(argv=argv(stage, mode, mark), cwd=str(stage), gap=6, grace=0.5,
+                    user=step_user, contain=False)  # fmt: skip
     result = run_supervised(r, Keys(namespace), spec, on_output=lambda line: None)
     alive = marked(mark)
     assert alive == [], alive
@@ -248,7 +249,7 @@ def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict
             (stage / "shim").mkdir()
             (stage / "shim" / "async_timeout.py").write_text("from asyncio import timeout\n")
             plain["PYTHONPATH"] = str(stage / "shim")
-        args = ["--gap", "3", "--grace", "0.5", "--no-output-beats", "--"]
+        args = ["--gap", "6", "--grace", "0.5", "--"]
         proc = subprocess.run([*as_nobody, OVERNIGHT, "supervise", *args,
                                *argv(stage, mode, mark)], env=plain, cwd=stage,
                               capture_output=True, text=True, timeout=90)  # fmt: skip

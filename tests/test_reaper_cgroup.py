@@ -83,15 +83,15 @@ def test_a_sigkilled_supervisors_step_dies_through_its_cgroup(
     mark = f"overnight-reaped-{uuid.uuid4().hex}"
     env = {**env, "OVERNIGHT_STEP_USER": step_user.name}
     supervisor = subprocess.Popen(
-        [OVERNIGHT, "supervise", "--quiet", "--gap", "0.5", "--grace", "0.5",
+        [OVERNIGHT, "supervise", "--quiet", "--gap", "3", "--grace", "0.5",
          "--lease-id", lease_id, "--", PY3, str(stage / "step.py"), mark],
         env=env, cwd=stage, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     path = cgroup.group_path(namespace, lease_id)
     assert path is not None
     try:
-        group = wait_for(lambda: cgroup.open_existing(namespace, lease_id), timeout=10)
-        wait_for(lambda: marked(mark) and len(group.pids()) >= 6, timeout=10)
+        group = wait_for(lambda: cgroup.open_existing(namespace, lease_id), timeout=30)
+        wait_for(lambda: marked(mark) and len(group.pids()) >= 6, timeout=30)
         written, why = proof.read(namespace, lease_id)
         assert written is not None and written.cgroup == str(path), why
         group.remove_handle()
@@ -102,7 +102,7 @@ def test_a_sigkilled_supervisors_step_dies_through_its_cgroup(
         # Orphaned: the tree lives on in its group until the reaper comes.
         assert marked(mark)
         leases = Leases(r, Keys(namespace))
-        wait_for(lambda: not leases.is_alive(lease_id), timeout=10)
+        wait_for(lambda: not leases.is_alive(lease_id), timeout=30)
         done = subprocess.run([OVERNIGHT, "reaper", "--once", "-v", "--grace", "0.5"], env=env,
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode == 0, done.stderr
