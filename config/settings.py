@@ -93,23 +93,6 @@ class Settings(BaseSettings):
     # Where the end-of-night summary (and a task's pause) is POSTed as JSON.
     notify_url: str | None = None
 
-    @field_validator("stop_at")
-    @classmethod
-    def _stop_at(cls, value: str | None) -> str | None:
-        from overnight.config.stopat import check_format
-
-        return None if value is None else check_format(value)
-
-    @field_validator("notify_url")
-    @classmethod
-    def _notify_url(cls, value: str | None) -> str | None:
-        from urllib.parse import urlsplit
-
-        if value is not None and (urlsplit(value).scheme not in ("http", "https")
-                                  or not urlsplit(value).netloc):  # fmt: skip
-            raise ValueError("must be an http:// or https:// URL")
-        return value
-
     @field_validator(*RULES, mode="before")
     @classmethod
     def _rule(cls, value: Any, info: ValidationInfo) -> Any:

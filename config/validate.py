@@ -203,6 +203,25 @@ def optional(rule: Callable[[object], object]) -> Callable[[object], object]:
     return check
 
 
+def port(value: object) -> int:
+    """A TCP port number."""
+    number = whole(1)(value)
+    if number > 65535:
+        raise ValueError("must be a port number (1 to 65535)")
+    return number
+
+
+def stop_at(value: object) -> str | None:
+    """When the night ends: a clock time (07:00) or an ISO date-time; None for unset."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError("must be a clock time or an ISO date-time")
+    from overnight.config.stopat import check_format
+
+    return check_format(value)
+
+
 # Every setting: field name -> its rule (a test keeps this in step with Settings' fields).
 RULES: dict[str, Callable[[object], object]] = {
     "redis_url": redis_url,
@@ -231,6 +250,9 @@ RULES: dict[str, Callable[[object], object]] = {
     "step_user": user_name,
     "allow_root_steps": flag,
     "host_id": host_id,
+    "stop_at": stop_at,
+    "metrics_port": optional(port),
+    "notify_url": model_url,
 }
 
 
