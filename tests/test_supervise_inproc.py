@@ -17,6 +17,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
 from overnight.worker import tree
 from overnight.worker.lease import LeaseDoc, LeaseRefused
+from overnight.worker.receipts import SURVIVORS, read
 from overnight.worker.supervisor import StepSpec, SupervisedResult, run_supervised, url_of
 from tests.helpers import assert_all_gone, pid_alive, read_pids
 
@@ -172,3 +173,25 @@ def test_url_of_rebuilds_the_connection(redis_server: EmbeddedRedis) -> None:
     assert url_of(client) == redis_server.url
     secret = redis.Redis(host="h", port=7, db=3, username="u", password="p@ss", ssl=True)
     assert url_of(secret) == "rediss://u:p%40ss@h:7/3"
+
+
+def test_a_survivor_is_logged_loudly_and_recorded_in_a_receipt(
+    r: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    # No process resists SIGKILL on demand: the tree's end reports one that did.
+    real = tree.end_tree
+
+    def resisted(*args: object, **kwargs: object) -> tree.KillReport:
+        report = real(*args, **kwargs)  # type: ignore[arg-type]
+        report.survivors = {2**22 + 7}
+        return report
+
+    monkeypatch.setattr(tree, "end_tree", resisted)
+    result = run_supervised(r, Keys(namespace), StepSpec(argv=["true"]), on_output=print)
+    assert result.exit_code == 0 and result.kill is not None
+    assert result.kill.survivors == {2**22 + 7}
+    assert "SURVIVED" in caplog.text
+    rows = [rc for rc in read(r, Keys(namespace)) if rc.kind == SURVIVORS]
+    assert [(rc.lease_id, rc.data["pids"]) for rc in rows] == [(result.doc.lease_id, [2**22 + 7])]
+    assert rows[0].data["via"] in ("cgroup", "proc")
