@@ -356,7 +356,10 @@ def _card(card: Card, index: int) -> str:
         out.append(f'<p class="assignment">{esc(assignment)}</p>')
     took = ""
     if card.started is not None:
-        took = duration((card.ended or card.started) - card.started) if card.ended else "running"
+        if card.ended is not None:
+            took = duration(card.ended - card.started)
+        else:
+            took = f"started {clock(card.started)}, not ended"
     out.append(
         f"<dl><dt>turns</dt><dd>{card.turns}</dd><dt>calls</dt><dd>{card.calls_used}/"
         f"{card.max_calls} (envelope {esc(card.envelope)})</dd><dt>steps</dt>"
