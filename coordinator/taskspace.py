@@ -64,6 +64,8 @@ class TaskSpace:
         self.namespace = namespace
         self.host = socket.gethostname()
         self.tree: Worktree | None = None
+        # The branch's last commit overnight knows (its audit trail is never rewound).
+        self.last: str | None = rec.checkpoint.head or (self.base.sha if self.base else None)
 
     @property
     def git(self) -> bool:
@@ -100,7 +102,8 @@ class TaskSpace:
         if self.git:
             assert self.tree is not None and self.base.sha is not None
             message = workspace.commit_message(self.task_id, turn, outcome)
-            sha = workspace.commit_step(self.tree, message)
+            sha = workspace.commit_step(self.tree, message, keep=self.last)
+            self.last = sha
             changed = checkout.commit_changes(self.base, self.globs, sha)
             stat = workspace.diffstat(self.base.root, self.base.sha, sha)
             return AfterAgent(sha, tuple(changed), stat)

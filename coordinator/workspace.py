@@ -212,6 +212,21 @@ def git_bytes(
     data: bytes | None = None,
 ) -> bytes:
     """:func:`git` with ``data`` on its stdin and its stdout as bytes."""
+    proc = _run(args, cwd, at, data)
+    if check and proc.returncode != 0:
+        err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise GitError(f"git {args[0] if args else ''}: {err[0] if err else proc.returncode}")
+    return proc.stdout
+
+
+def git_ok(*args: str, cwd: str | None = None, at: Where | None = None) -> bool:
+    """True if ``git ARGS`` exits 0 (for the commands that answer by their exit code)."""
+    return _run(args, cwd, at, None).returncode == 0
+
+
+def _run(
+    args: Sequence[str], cwd: str | None, at: Where | None, data: bytes | None
+) -> subprocess.CompletedProcess[bytes]:
     argv = ["git"]
     for item in HARDENING:
         argv += ["-c", item]
@@ -222,7 +237,7 @@ def git_bytes(
         argv += [f"--git-dir={at.git_dir}", f"--work-tree={at.work_tree}"]
         if at.index is not None:
             env["GIT_INDEX_FILE"] = at.index
-    proc = subprocess.run(
+    return subprocess.run(
         [*argv, *args],
         env=env,
         input=data if data is not None else b"",
@@ -230,10 +245,6 @@ def git_bytes(
         timeout=GIT_TIMEOUT,
         check=False,
     )
-    if check and proc.returncode != 0:
-        err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise GitError(f"git {args[0] if args else ''}: {err[0] if err else proc.returncode}")
-    return proc.stdout
 
 
 @dataclass(frozen=True)
@@ -371,13 +382,18 @@ def _admin_dir(root: str, path: str) -> str | None:
 
 def open_worktree(root: str, base_sha: str, branch: str, path: Path) -> Worktree:
     """The task's worktree at ``path``: made on a new branch from ``base_sha`` the first
-    time, found again after a worker died. Raises :class:`GitError` if the branch exists
-    but this worktree does not (a branch is never reused)."""
+    time, found again after a worker died, or made again on the task's branch where its
+    worker's host is gone (``submit`` refuses an id whose branch exists, so an existing
+    branch that grew from the base is this task's). Raises :class:`GitError` otherwise."""
     if not path.exists():
-        if branch_exists(root, branch):
-            raise GitError(f"branch {branch} already exists; a task branch is never reused")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)  # a step user walks through
-        git("worktree", "add", "-b", branch, str(path), base_sha, cwd=root)
+        if not branch_exists(root, branch):
+            git("worktree", "add", "-b", branch, str(path), base_sha, cwd=root)
+        elif git_ok("merge-base", "--is-ancestor", base_sha, f"refs/heads/{branch}", cwd=root):
+            git("worktree", "prune", cwd=root)
+            git("worktree", "add", str(path), branch, cwd=root)
+        else:
+            raise GitError(f"branch {branch} exists and does not grow from the task's base")
     admin = _admin_dir(root, str(path))
     if admin is None:
         raise GitError(f"{path} is not a worktree of {root}")
@@ -393,12 +409,16 @@ def unlock(wt: Worktree) -> None:
     git("worktree", "unlock", wt.path, cwd=wt.root, check=False)
 
 
-def commit_step(wt: Worktree, message: str) -> str:
+def commit_step(wt: Worktree, message: str, keep: str | None = None) -> str:
     """Commit what the tree holds now on the task's branch (ignored files stay out, the
-    agent's own commits stay in); returns the new commit."""
+    agent's own commits stay in); returns the new commit. ``keep`` is the branch's last
+    known commit: an agent that rewound or rewrote the branch does not erase the audit
+    trail (the branch goes back to ``keep`` first; the tree is committed on top)."""
     where = Where(wt.git_dir, wt.path)
     ref = f"refs/heads/{wt.branch}"
     git("symbolic-ref", "HEAD", ref, at=where)  # an agent that switched branch is brought back
+    if keep is not None and not git_ok("merge-base", "--is-ancestor", keep, ref, at=where):
+        git("update-ref", "-m", "overnight: the branch was rewritten; kept", ref, keep, at=where)
     git("add", "-A", "--", ".", cwd=wt.path, at=where)
     git("commit", "--quiet", "--allow-empty", "--no-verify", "-m", message, cwd=wt.path, at=where)
     sha = git("rev-parse", "--verify", ref, at=where).strip()

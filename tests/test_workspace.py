@@ -385,3 +385,42 @@ def test_a_protected_folder_turned_into_a_link_is_never_written_through(
     verdict = rec.checkpoint.last_verdict
     assert verdict is not None and PROTECTED_RULE in verdict.failed and "tests" in verdict.failed
     assert sorted(p.name for p in outside.iterdir()) == ["test_ok.py"]
+
+
+def test_an_agent_that_rewinds_its_branch_does_not_erase_the_audit_trail(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    agent = (
+        "import os, pathlib, subprocess\n"
+        "if os.environ['OVERNIGHT_TURN'] == '1':\n"
+        "    pathlib.Path('notes.txt').write_text('turn one')\n"
+        "else:\n"
+        "    subprocess.run(['git', 'reset', '-q', '--hard', 'HEAD~1'], check=True)\n"
+        "    pathlib.Path('calc.py').write_text('def add(a, b):\\n    return a + b\\n')\n"
+    )
+    rec = run(r, namespace, tmp_path, task_toml(repo, agent))
+    assert rec.state == "finished_verified", rec.detail
+    subjects = sh(repo, "log", "--format=%s", f"main..overnight/{rec.id}").splitlines()
+    assert [s.split(":")[1].strip() for s in subjects] == [
+        f"task {rec.id} turn 2",
+        f"task {rec.id} turn 1",
+    ]
+
+
+def test_a_lost_worktree_is_made_again_on_the_task_branch(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    base = sh(repo, "rev-parse", "HEAD").strip()
+    path = tmp_path / "state" / "wt"
+    wt = workspace.open_worktree(str(repo), base, "overnight/t", path)
+    (path / "calc.py").write_text(FIXED)
+    head = workspace.commit_step(wt, "turn 1")
+    sh(repo, "worktree", "remove", "--force", str(path))  # its host is gone
+    again = workspace.open_worktree(str(repo), base, "overnight/t", path)
+    assert (path / "calc.py").read_text() == FIXED
+    assert workspace.commit_step(again, "turn 2", keep=head) != head
+    sh(repo, "branch", "other", "HEAD")
+    sh(repo, "commit", "-q", "--allow-empty", "-m", "later")
+    later = sh(repo, "rev-parse", "HEAD").strip()
+    with pytest.raises(workspace.GitError, match="does not grow from"):
+        workspace.open_worktree(str(repo), later, "overnight/t", tmp_path / "state" / "wt2")
