@@ -232,7 +232,8 @@ def create(namespace: str, lease_id: str) -> StepGroup | None:
         except FileNotFoundError:  # another lease removed the namespace's folder meanwhile
             if attempt == 2:
                 return None
-        except OSError:
+        except OSError as exc:
+            _unavailable(path, exc)
             return None
     try:
         return StepGroup(path)
@@ -240,6 +241,18 @@ def create(namespace: str, lease_id: str) -> StepGroup | None:
         with contextlib.suppress(OSError):
             path.rmdir()
         return None
+
+
+_said: set[str] = set()
+
+
+def _unavailable(path: Path, exc: OSError) -> None:
+    # Once per process, and only where containers were expected (root): say why the /proc
+    # path is all there is (a container's read-only /sys/fs/cgroup, say).
+    if os.geteuid() == 0 and "unavailable" not in _said:
+        _said.add("unavailable")
+        log.warning("cannot make step cgroups under %s (%s): trees are ended through /proc "
+                    "only", path.parent.parent, exc.strerror)  # fmt: skip
 
 
 def open_existing(namespace: str, lease_id: str) -> StepGroup | None:
