@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from overnight.worker import gateway_wire as wire
 from overnight.worker.gateway_meter import Hold, Holder, Meter, Refused
@@ -42,6 +43,8 @@ DROP_RESPONSE = HOP_BY_HOP | {"content-encoding"}
 DRAIN_SECONDS = 10.0
 DRAIN_BYTES = 8 * 1024 * 1024
 MAX_RESPONSE = 64 * 1024 * 1024
+# What a ledger (Redis) call may fail with: the request is refused, never forwarded unmetered.
+LEDGER_ERRORS = (RedisError, OSError)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class Gateway:
             return _error(fam, 401, "no API key: use the token overnight gave this step")
         try:
             who = await self.meter.holder(token)
-        except Exception as exc:  # Redis away: fail closed
+        except LEDGER_ERRORS as exc:  # Redis away: fail closed
             log.warning("gateway: token lookup failed: %s", exc)
             return _error(fam, 503, "the gateway cannot reach its ledger; refused")
         if who is None:
@@ -176,7 +179,7 @@ class Gateway:
             log.info("gateway: lease=%s task=%s: refused (%s): %s", who.lease_id, who.task_id,
                      exc.reason, exc.detail)  # fmt: skip
             return _error(fam, exc.status, exc.detail)
-        except Exception as exc:
+        except LEDGER_ERRORS as exc:
             log.warning("gateway: lease=%s: reserve failed: %s", who.lease_id, exc)
             return _error(fam, 503, "the gateway cannot reach its ledger; refused")
         call = _Call(self, request, route, upstream, body, who, ask, hold)
@@ -201,7 +204,7 @@ class Gateway:
                 return
             try:
                 await self.meter.progress(who)
-            except Exception as exc:
+            except LEDGER_ERRORS as exc:
                 log.warning("gateway: lease=%s: progress not recorded: %s", who.lease_id, exc)
 
 
@@ -334,7 +337,7 @@ class _Call:
             return False
         except Refused as exc:
             status, message = 429, exc.detail
-        except Exception as exc:  # the ledger is away: fail closed
+        except LEDGER_ERRORS as exc:  # the ledger is away: fail closed
             status, message = 503, f"the gateway cannot reach its ledger: {_reason(exc)}"
         log.info("gateway: lease=%s task=%s: stream cut: %s", self.who.lease_id,
                  self.who.task_id, message)  # fmt: skip
@@ -384,7 +387,7 @@ class _Call:
             await self.gw.meter.commit(self.who, self.hold, tokens=tokens,
                                        tools=0 if refund else usage.tools, refund=refund,
                                        data=data)  # fmt: skip
-        except Exception as exc:  # the hold expires back to the envelope on its own
+        except LEDGER_ERRORS as exc:  # the hold expires back to the envelope on its own
             log.error("gateway: lease=%s task=%s: commit failed: %s", self.who.lease_id,
                       self.who.task_id, exc)  # fmt: skip
 
