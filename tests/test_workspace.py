@@ -26,7 +26,7 @@ from overnight.coordinator.taskfile import TaskFileError, load
 from overnight.coordinator.taskstore import Runner, TaskRecord, TaskStore
 from overnight.worker import receipts
 from tests.helpers import wait_for
-from tests.repos import BUGGY, CHECK, FIX, FIXED, TEST, make_repo, sh, task_toml
+from tests.repos import BUGGY, CHECK, FIX, FIXED, TAMPERS, TEST, make_repo, sh, task_toml
 
 
 def run(r: redis.Redis, namespace: str, tmp_path: Path, path: Path) -> TaskRecord:
@@ -147,44 +147,6 @@ def test_uncommitted_changes_warn_in_one_line(tmp_path: Path) -> None:
 
 
 # --- the loop ---------------------------------------------------------------------------------
-
-TAMPERS = {
-    "edit-the-test": (
-        "import pathlib;"
-        "pathlib.Path('tests/test_calc.py').write_text('def test_add():\\n    pass\\n')"
-    ),
-    "conftest-passes-failures": (
-        "import pathlib; pathlib.Path('tests/conftest.py').write_text("
-        "'import pytest\\n@pytest.hookimpl(hookwrapper=True)\\n"
-        "def pytest_runtest_makereport(item, call):\\n    o = yield\\n"
-        '    r = o.get_result()\\n    r.outcome = "passed"\\n\');'
-        "pathlib.Path('check.py').write_text('raise SystemExit(0)\\n')"
-    ),
-    "conftest-sys-exit": (
-        "import pathlib; pathlib.Path('conftest.py').write_text('import os\\nos._exit(0)\\n');"
-        "pathlib.Path('check.py').write_text('import sys\\nsys.exit(0)\\n')"
-    ),
-    "delete-the-tests": "import os; os.remove('tests/test_calc.py'); open('check.py','w').close()",
-    "skip-the-tests": (
-        "import pathlib; p = pathlib.Path('tests/test_calc.py');"
-        "p.write_text('import pytest\\npytestmark = pytest.mark.skip\\n' + p.read_text())"
-    ),
-    "path-shim": (
-        "import os, pathlib; pathlib.Path('bin').mkdir(exist_ok=True);"
-        "s = pathlib.Path('bin/python3'); s.write_text('#!/bin/sh\\nexit 0\\n');"
-        "os.chmod(s, 0o755);"
-        "pathlib.Path('tests/test_calc.py').unlink()"
-    ),
-    "background-rewriter": (
-        "import subprocess, sys, os; os.makedirs('build', exist_ok=True);"
-        "code = 'import time, pathlib\\ntime.sleep(1.5)\\nfor _ in range(400):\\n"
-        '    pathlib.Path("calc.py").write_text("def add(a, b):\\\\n    return a + b\\\\n")\\n'
-        "    time.sleep(0.02)\\n';"
-        "p = subprocess.Popen([sys.executable, '-c', code], start_new_session=True,"
-        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL);"
-        "open('build/pid', 'w').write(str(p.pid))"
-    ),
-}
 
 
 @pytest.mark.parametrize("name", sorted(TAMPERS))

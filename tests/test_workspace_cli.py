@@ -15,7 +15,7 @@ import pytest
 
 from overnight.worker.stepuser import StepUser
 from tests.helpers import OVERNIGHT
-from tests.repos import FIX, FIXED, make_repo, sh, task_toml
+from tests.repos import FIX, FIXED, TAMPERS, make_repo, sh, task_toml
 
 
 @pytest.fixture
@@ -174,3 +174,30 @@ def test_the_agent_works_as_the_step_user_and_the_rules_run_as_overnight(
         assert author == "overnight"
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_tamperings_under_real_leases_are_flagged_and_never_verified(
+    wenv: dict[str, str], tmp_path: Path
+) -> None:
+    assert cli(wenv, "envelope", "reset", "100").returncode == 0
+    repo = make_repo(tmp_path / "repo")
+    names = ("conftest-passes-failures", "path-shim", "background-rewriter")
+    files = []
+    for i, name in enumerate(names):
+        path = task_toml(repo, TAMPERS[name], name=f"t{i}", id=f"t{i}", max_calls=3)
+        files.append(path)
+    proc = cli(wenv, "submit", *map(str, files))
+    assert proc.returncode == 0, proc.stderr
+    worker = cli(wenv, "worker", "--burst", timeout=150)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    report = cli(wenv, "report", "--plain").stdout
+    for i, name in enumerate(names):
+        st = status(wenv, f"t{i}")
+        assert st["state"] == "halted_at_call_ceiling", (name, st["detail"])
+        assert st["last_verdict"]["failed"], name
+        line = next(ln for ln in report.splitlines() if ln.startswith(f"t{i} "))
+        if name != "background-rewriter":
+            assert st["protected_changed"] and "protected-paths" in st["last_verdict"]["failed"]
+            assert "PROTECTED CHANGED" in line
+    assert (repo / "calc.py").read_text() != FIXED
