@@ -6,7 +6,7 @@ import importlib.util
 import subprocess
 import sys
 
-BENCHES = ("supervise", "envelope", "reaper", "tasks", "soak")
+BENCHES = ("supervise", "envelope", "reaper", "tasks", "soak", "stop")
 
 
 def main() -> int:
