@@ -151,15 +151,15 @@ def test_a_demo_night_report_metrics_and_notification(
         text=True,
     )
     steps: list[float] = []
-    worker_seen: dict[str, float] = {}
+    workers: dict[int, dict[str, float]] = {}
     try:
         deadline = time.monotonic() + 150
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 samples = scrape(port)
                 steps.append(total(samples, "overnight_steps_total"))
-                if not worker_seen:
-                    worker_seen = scrape(port + 1)
+                for n in (1, 2):
+                    workers[n] = scrape(port + n)
             except OSError:
                 pass  # not serving yet, or already stopped
             time.sleep(0.2)
@@ -177,7 +177,9 @@ def test_a_demo_night_report_metrics_and_notification(
     )
     assert any(k.startswith("overnight_lease_endings_total{") for k in samples)
     assert any(k.startswith("overnight_step_duration_seconds_bucket{") for k in samples)
-    assert "overnight_redis_up{}" in worker_seen  # worker 1 serves on port + 1
+    # Worker N serves on port + N and counts only the steps of the tasks it held.
+    mine = [total(workers.get(n, {}), "overnight_steps_total") for n in (1, 2)]
+    assert sum(mine) > 0 and all(n <= steps[-1] for n in mine), (mine, steps)
     assert not any("task" in k.split("{", 1)[1] for k in samples)  # no task ids as labels
 
     report = state / "report.html"
