@@ -309,12 +309,19 @@ class NightCollector(Collector):
 
 def serve(client: redis.Redis, keys: Keys, port: int, worker: str | None = None) -> Any:
     """Serve ``/metrics`` on ``port`` (all addresses) from a thread; returns the server
-    (``shutdown()`` stops it)."""
+    (``shutdown()`` stops it), or None when the port cannot be had: said on stderr, and the
+    night goes on without metrics."""
+    import sys
+
     from prometheus_client import start_http_server
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NightCollector(client, keys, worker))
-    server, _thread = start_http_server(port, registry=registry)
+    try:
+        server, _thread = start_http_server(port, registry=registry)
+    except OSError as exc:
+        print(f"overnight: no /metrics on port {port}: {exc.strerror or exc}", file=sys.stderr)
+        return None
     log.info("metrics on :%d/metrics (namespace %s)", port, keys.namespace)
     return server
 
