@@ -116,7 +116,7 @@ def demo_command(workers: int, state_dir: Path) -> None:
     Runs the example tasks in tasks/: one verified on turn 1; one whose agent stops early,
     is re-prompted with the unmet rule and passes; one whose step hangs and is killed by
     its heartbeat gap; one halted when the shared envelope runs dry. Then prints the
-    report. Exits 0 if every task ended as it is meant to.
+    report and the path of its HTML report. Exits 0 if every task ended as it is meant to.
     """
     from overnight.coordinator.demo import run_demo
 

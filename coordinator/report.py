@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from overnight.coordinator.states import State
 from overnight.coordinator.taskstore import TaskRecord
+from overnight.coordinator.text import printable
 
 if TYPE_CHECKING:
     from overnight.coordinator.report_model import Report
-from overnight.coordinator.text import printable
 
 
 def elapsed(rec: TaskRecord, now: float | None = None) -> float:
