@@ -83,15 +83,16 @@ def agent_task(folder: Path, name: str, trace: Path, secs: float, **kw: Any) -> 
 def test_one_budget_across_three_hosts(make_cluster: Any, tmp_path: Path) -> None:
     c: Cluster = make_cluster(3)
     trace = tmp_path / "trace.txt"
-    assert c.coordinator("envelope", "reset", "60").returncode == 0
+    assert c.coordinator("envelope", "reset", "36").returncode == 0
     files = [
         agent_task(tmp_path, f"spend-{i}", trace, 0.1, rules=[["false"]], max_calls=50)
         for i in range(6)
     ]
-    ids = submit(c, *files)
     for host in c.hosts:
         c.start_worker(host, reaper=True)
         c.start_worker(host, reaper=False)
+    wait_for(lambda: all(c.reaper_up(h) for h in c.hosts), timeout=30)
+    ids = submit(c, *files)
 
     def drained() -> bool:
         return all(s == "halted_at_call_ceiling" for s in states(c, ids).values())
@@ -100,9 +101,9 @@ def test_one_budget_across_three_hosts(make_cluster: Any, tmp_path: Path) -> Non
     used = [status(c, t)["calls_used"] for t in ids]
     env = envelope(c)
     consumed = env["consumed_model"] + env["consumed_tool"]
-    print(f"\nhosts figure: 3 hosts x 2 workers, envelope 60: consumed {consumed}, "
+    print(f"\nhosts figure: 3 hosts x 2 workers, envelope 36: consumed {consumed}, "
           f"tasks' calls_used {sum(used)} {used}, remaining {env['remaining']}")  # fmt: skip
-    assert (consumed, sum(used), env["remaining"]) == (60, 60, 0)
+    assert (consumed, sum(used), env["remaining"]) == (36, 36, 0)
     hosts = {r.host for r in runs(trace)}
     assert len(hosts) >= 2, hosts  # the work was shared
     assert not overlaps(runs(trace))
@@ -197,17 +198,18 @@ def test_one_budget_of_calls_and_tokens_through_each_hosts_gateway(
 ) -> None:
     c: Cluster = make_cluster(3)
     trace = tmp_path / "trace.txt"
-    assert c.coordinator("envelope", "reset", "45").returncode == 0
+    assert c.coordinator("envelope", "reset", "30").returncode == 0
     agent = [sys.executable, str(write_agent(tmp_path, gateway=True)), str(trace)]
     files = [
         task_file(tmp_path, f"gw-{i}", [*agent, f"gw-{i}", "2"], [["false"]], max_calls=50)
         for i in range(6)
     ]
-    ids = submit(c, *files)
     for host in c.hosts:
         c.start_upstream(host)
         c.start_worker(host, reaper=True)
         c.start_worker(host, reaper=False)
+    wait_for(lambda: all(c.reaper_up(h) for h in c.hosts), timeout=30)
+    ids = submit(c, *files)
 
     def drained() -> bool:
         return all(s == "halted_at_call_ceiling" for s in states(c, ids).values())
@@ -219,9 +221,9 @@ def test_one_budget_of_calls_and_tokens_through_each_hosts_gateway(
     keys = Keys(c.namespace)
     receipts = c.client.xrange(keys.receipts)
     calls = [f for _, f in receipts if '"model_call"' in json.dumps(f)]
-    print(f"\nhosts figure: 3 hosts' gateways, envelope 45: consumed {consumed} (model "
+    print(f"\nhosts figure: 3 hosts' gateways, envelope 30: consumed {consumed} (model "
           f"{env['consumed_model']}, tool {env['consumed_tool']}), tasks' calls_used "
           f"{sum(used)}, tokens {env['consumed_tokens']} for {len(calls)} requests")  # fmt: skip
-    assert (consumed, sum(used), env["remaining"]) == (45, 45, 0)
+    assert (consumed, sum(used), env["remaining"]) == (30, 30, 0)
     assert env["consumed_tokens"] == len(calls) * (11 + 7)  # the scripted upstream's usage
     assert len({r.host for r in runs(trace)}) >= 2  # the work was shared
