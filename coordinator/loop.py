@@ -48,6 +48,7 @@ from overnight.coordinator.taskspace import TaskSpace, WorkspaceError, rule_argv
 from overnight.coordinator.taskstore import TaskRefused, TaskStore
 from overnight.coordinator.workspace import GitError
 from overnight.worker import stepenv, stepuser
+from overnight.worker.lease import new_lease_id
 from overnight.worker.stepuser import StepUser
 
 log = logging.getLogger("overnight.loop")
@@ -291,7 +292,8 @@ class TaskLoop:
             return self.runner(req), cp
         space = self._space(rec)
         if cp.step == 0:
-            space.lock(request)
+            req = replace(req, lease_id=new_lease_id())
+            space.lock(req.lease_id or request)
             try:
                 out = self.runner(req)
             finally:

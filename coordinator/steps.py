@@ -51,6 +51,7 @@ class StepRequest:
     stdin_data: bytes | None = field(default=None, repr=False)  # settings for the model step
     log_path: Path | None = None  # where the step's whole output is kept (up to LOG_CAP_BYTES)
     as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
+    lease_id: str | None = None  # chosen by the caller (the worktree lock names it); else new
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             deadline=req.deadline,
             gap=req.gap,
             grace=req.grace,
-            lease_id=None,
+            lease_id=req.lease_id,
             cwd=req.cwd,
             env=req.env,
             output_beats=True,

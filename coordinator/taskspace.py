@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 from overnight.coordinator import checkout, workspace
 from overnight.coordinator.checkout import Checked
 from overnight.coordinator.workspace import Base, Worktree
+from overnight.worker.procs import hostname
 
 if TYPE_CHECKING:
     from overnight.coordinator.taskrecord import TaskRecord
@@ -62,7 +62,7 @@ class TaskSpace:
         self.workdir = rec.spec.workdir
         self.state = state
         self.namespace = namespace
-        self.host = socket.gethostname()
+        self.host = hostname()
         self.tree: Worktree | None = None
         # The branch's last commit overnight knows (its audit trail is never rewound).
         self.last: str | None = rec.checkpoint.head or (self.base.sha if self.base else None)

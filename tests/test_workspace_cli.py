@@ -49,8 +49,15 @@ def test_two_workers_two_branches_and_the_morning_view(
     assert cli(wenv, "envelope", "reset", "100").returncode == 0
     repo = make_repo(tmp_path / "repo")
     (repo / "notes.txt").write_text("not committed\n")  # the base is HEAD, not this
+    # Each agent also keeps what its worktree's lock says while it runs (in ignored build/).
+    keep_lock = (
+        "; import os, subprocess; os.makedirs('build', exist_ok=True);"
+        "gd = subprocess.run(['git', 'rev-parse', '--git-dir'], capture_output=True,"
+        " text=True, check=True).stdout.strip();"
+        "open('build/lock.txt', 'w').write(open(os.path.join(gd, 'locked')).read())"
+    )
     files = [
-        task_toml(repo, FIX + f"; open('{n}.txt', 'w').write('{n}')", name=n, id=n)
+        task_toml(repo, FIX + f"; open('{n}.txt', 'w').write('{n}')" + keep_lock, name=n, id=n)
         for n in ("one", "two")
     ]
     proc = cli(wenv, "submit", *map(str, files))
@@ -94,12 +101,18 @@ def test_two_workers_two_branches_and_the_morning_view(
         assert got.returncode == 0 and got.stdout == want
         shortstat = sh(repo, "diff", "--shortstat", f"{base}..{branch}").strip()
         assert st["diffstat"] == shortstat
-        verdicts = [
-            json.loads(line)
-            for line in cli(wenv, "receipts", mine).stdout.splitlines()
-            if json.loads(line)["kind"] == "verdict"
-        ]
+        rcs = [json.loads(line) for line in cli(wenv, "receipts", mine).stdout.splitlines()]
+        verdicts = [rc for rc in rcs if rc["kind"] == "verdict"]
         assert verdicts[-1]["data"]["commit"] == st["head"]
+        [agent] = [
+            rc for rc in rcs if rc["kind"] == "step_finished" and rc["data"]["step"] == "agent"
+        ]
+        tree = Path(wenv["OVERNIGHT_STATE_DIR"]) / "worktrees" / wenv["OVERNIGHT_NAMESPACE"]
+        [lock] = tree.glob(f"{mine}-*/build/lock.txt")
+        assert (
+            lock.read_text().strip()
+            == f"task {mine} host {agent['host']} lease {agent['lease_id']}"
+        )
     report = cli(wenv, "report", "--plain")
     assert report.returncode == 0
     for mine in ("one", "two"):
