@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "scripted_upstream.py"
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 NAMESPACE = "bench-gw"
+LITELLM_KEY = "sk-bench-" + "0123456789abcdef" * 4
 BODY = json.dumps({"model": "m", "max_tokens": 64,
                    "messages": [{"role": "user", "content": "hello " * 50}]})  # fmt: skip
 
@@ -129,7 +130,7 @@ def _litellm(binary: str, direct: str, work: Path) -> tuple[subprocess.Popen[byt
         "model_list:\n  - model_name: m\n    litellm_params:\n      model: openai/m\n"
         f"      api_base: {direct}/v1\n      api_key: sk-bench\n"
     )
-    env = {**os.environ, "LITELLM_LOG": "ERROR"}
+    env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY}
     with (work / "litellm.log").open("wb") as out:
         proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1",
                                  "--port", str(port), "--num_workers", "1"],
@@ -189,10 +190,10 @@ def main() -> None:
             if args.litellm:
                 lite, lite_url = _litellm(args.litellm, direct, Path(tmp))
                 try:
-                    report["litellm_json"] = _paired(direct, lite_url, "sk-bench",
+                    report["litellm_json"] = _paired(direct, lite_url, LITELLM_KEY,
                                                      args.requests, stream=False)  # fmt: skip
                     report["litellm_stream_first_byte"] = _paired(
-                        direct, lite_url, "sk-bench", args.requests // 2, True
+                        direct, lite_url, LITELLM_KEY, args.requests // 2, True
                     )
                 finally:
                     lite.terminate()
