@@ -48,6 +48,7 @@ from overnight.coordinator.taskspace import TaskSpace, WorkspaceError, rule_argv
 from overnight.coordinator.taskstore import TaskRefused, TaskStore
 from overnight.coordinator.workspace import GitError
 from overnight.worker import stepenv, stepuser
+from overnight.worker.gateway_grant import Grant
 from overnight.worker.lease import new_lease_id
 from overnight.worker.stepuser import StepUser
 
@@ -88,6 +89,8 @@ class LoopConfig:
     step_user: StepUser | None = field(default_factory=stepuser.configured)
     # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
     model_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # The gateway agent steps are pointed at (None: no gateway, no token for the step).
+    gateway_url: str | None = None
     # When the night ends (unix time; OVERNIGHT_STOP_AT): no step starts from then on.
     stop_at: float | None = field(default_factory=stop.configured)
 
@@ -383,7 +386,7 @@ class TaskLoop:
         stdin = None
         if spec.agent is None:  # the model settings reach the built-in step on stdin only
             env[model_step.SETTINGS_VAR] = "stdin"
-            stdin = model_step.settings_line(self.config.model_env)
+            stdin = model_step.settings_line(self.config.model_env, self.config.gateway_url)
         return StepRequest(
             rec.id,
             "agent",
@@ -395,6 +398,22 @@ class TaskLoop:
             self.config.grace,
             stdin_data=stdin,
             log_path=self._log_path(rec, cp, "agent"),
+            grant=self._grant(rec),
+        )
+
+    def _grant(self, rec: TaskRecord) -> Grant | None:
+        # The loop charged this step's model unit before it runs: the step's first request
+        # through the gateway uses it (prepaid), so a step costs max(1, its requests).
+        if self.config.gateway_url is None:
+            return None
+        spec = rec.spec
+        return Grant(
+            self.config.gateway_url,
+            envelope=spec.envelope,
+            task_id=rec.id,
+            max_calls=spec.max_calls,
+            max_tokens=spec.max_tokens,
+            prepaid=True,
         )
 
     def _write(self, rec: TaskRecord, nxt: Next) -> str:

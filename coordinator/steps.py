@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from overnight.worker.gateway_grant import Grant
 from overnight.worker.signals import SignalCatcher
 from overnight.worker.stepenv import step_environment
 from overnight.worker.stepuser import StepUser, configured
@@ -49,6 +50,7 @@ class StepRequest:
     grace: float
     beat_while_alive: bool = False
     stdin_data: bytes | None = field(default=None, repr=False)  # settings for the model step
+    grant: Grant | None = None  # what the step may spend through the gateway
     log_path: Path | None = None  # where the step's whole output is kept (up to LOG_CAP_BYTES)
     as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
     lease_id: str | None = None  # chosen by the caller (the worktree lock names it); else new
@@ -174,6 +176,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             lease_file=None,
             task_id=req.task_id,
             stdin_data=req.stdin_data,
+            grant=req.grant,
             user=as_user if req.as_step_user else None,
         )
         try:
