@@ -72,7 +72,7 @@ class TaskSpace:
         return self.base is not None and self.base.mode == workspace.WORKTREE
 
     def _frozen(self) -> Path:
-        return self.state / "frozen" / self.namespace / f"{self.task_id}-{self.run}"
+        return frozen_path(self.state, self.namespace, self.task_id, self.run)
 
     def agent_cwd(self, user: StepUser | None) -> str:
         """Where the agent step runs: the task's worktree (made on first use), or the workdir."""
@@ -167,10 +167,16 @@ __all__ = [
     "AfterAgent",
     "TaskSpace",
     "WorkspaceError",
+    "frozen_path",
     "prune",
     "rule_argv",
     "verifier_env",
 ]
+
+
+def frozen_path(state: Path, namespace: str, task_id: str, run: str) -> Path:
+    """Where an in-place task's tree is kept as its last agent step left it."""
+    return state / "frozen" / namespace / f"{task_id}-{run}"
 
 
 def prune(store: TaskStore, state: Path) -> list[str]:
@@ -181,6 +187,10 @@ def prune(store: TaskStore, state: Path) -> list[str]:
     lines = []
     for rec in store.all():
         base = rec.spec.base
+        frozen = frozen_path(state, store.keys.namespace, rec.id, rec.run)
+        if rec.state not in LIVE and frozen.exists():  # left by a worker that died
+            checkout.remove_tree(frozen)
+            lines.append(f"{rec.id}: removed {frozen}")
         if base is None or base.mode != workspace.WORKTREE:
             continue
         path = workspace.worktree_path(state, store.keys.namespace, rec.id, rec.run)

@@ -386,3 +386,23 @@ def test_a_lost_worktree_is_made_again_on_the_task_branch(tmp_path: Path) -> Non
     later = sh(repo, "rev-parse", "HEAD").strip()
     with pytest.raises(workspace.GitError, match="does not grow from"):
         workspace.open_worktree(str(repo), later, "overnight/t", tmp_path / "state" / "wt2")
+
+
+def test_prune_removes_a_frozen_tree_a_dead_worker_left(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    from overnight.coordinator.taskspace import frozen_path, prune
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "calc.py").write_text(BUGGY)
+    (folder / "check.py").write_text(CHECK)
+    (folder / "tests").mkdir()
+    (folder / "tests" / "test_calc.py").write_text(TEST)
+    rec = run(r, namespace, tmp_path, task_toml(folder, FIX))
+    assert rec.state == "finished_verified"
+    frozen = frozen_path(tmp_path / "state", namespace, rec.id, rec.run)
+    assert not frozen.exists()  # the loop drops it when the task's run ends
+    (frozen / "sub").mkdir(parents=True)
+    lines = prune(TaskStore(r, Keys(namespace)), tmp_path / "state")
+    assert lines == [f"{rec.id}: removed {frozen}"] and not frozen.exists()
