@@ -79,12 +79,12 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
 def _fill(client: redis.Redis) -> int:
     """Write values (big, then small: Redis counts a command's own size against the limit)
     until Redis refuses even a small write (OOM); returns how many were written."""
-    n = 0
+    n, fill = 0, uuid.uuid4().hex[:8]  # new names each time: overwriting frees nothing
     for size in (262_144, 4096, 64):
         chunk = b"x" * size
         while True:
             try:
-                client.set(f"filler:{n}", chunk)
+                client.set(f"filler:{fill}:{n}", chunk)
             except redis.exceptions.OutOfMemoryError:
                 break
             n += 1
