@@ -24,8 +24,9 @@ from pathlib import Path
 import redis
 
 from overnight.config.keys import Keys
+from overnight.config.runtime import proof_dir
 from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import procs
+from overnight.worker import procs, proof
 from overnight.worker.reaper import reap_once
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
@@ -102,8 +103,8 @@ def orphan_latency(
 
 def _populate(client: redis.Redis, keys: Keys, live: int, lapsed: int, now_ms: int) -> None:
     """``live`` running leases far from lapsing plus ``lapsed`` whose key is gone: half on a
-    host whose reaper is alive (left alone), half on this host naming pids that do not exist
-    (reaped: checked, scanned for, ended)."""
+    host whose reaper is alive (left alone), half on this host naming pids that do not exist,
+    each with its supervisor's proof (reaped: proof checked, tree scanned for, ended)."""
     host = procs.hostname()
     boot = procs.boot_id()
     client.set(keys.reaper_host("bench-busy-host"), "1", px=600_000)
@@ -124,6 +125,10 @@ def _populate(client: redis.Redis, keys: Keys, live: int, lapsed: int, now_ms: i
         })  # fmt: skip
         if is_lapsed:
             pipe.zadd(keys.lease_expiry, {lease_id: now_ms - 2000})
+            if on_host == host:
+                pid = 2**22 + 100 + i
+                proof.store(keys.namespace, proof.Proof(lease_id, i + 1, pid, pid, 12345, boot,
+                                                        os.getpid(), 1))  # fmt: skip
         else:
             pipe.set(keys.lease_alive(lease_id), str(i + 1), px=600_000)
             pipe.zadd(keys.lease_expiry, {lease_id: now_ms + 600_000})
@@ -153,6 +158,7 @@ def pass_cost(
                 times.append(time.perf_counter() - began)
                 assert report.lapsed == lapsed, report.summary()
                 assert report.ended == lapsed // 2 and report.signalled == 0, report.summary()
+                shutil.rmtree(proof_dir(keys.namespace).parent, ignore_errors=True)
             out[size] = statistics.median(times)
             print(f"  {size:>7,} leases ({lapsed} lapsed): median pass {out[size] * 1000:.1f} ms "
                   f"(best {min(times) * 1000:.1f}, worst {max(times) * 1000:.1f})")  # fmt: skip
