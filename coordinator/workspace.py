@@ -9,6 +9,7 @@ overnight's own identity for its commits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -332,12 +333,12 @@ def changed(root: str, a: str, b: str) -> list[str]:
 
 
 def diff(root: str, a: str, b: str) -> str:
-    return git("diff", "--no-ext-diff", "--no-color", f"{a}..{b}", cwd=root)
+    return git("diff", "--no-ext-diff", "--no-textconv", "--no-color", f"{a}..{b}", cwd=root)
 
 
 def diffstat(root: str, a: str, b: str) -> str:
     """``git diff --stat``'s summary line (e.g. '2 files changed, 3 insertions(+)'), or ''."""
-    out = git("diff", "--no-ext-diff", "--shortstat", f"{a}..{b}", cwd=root)
+    out = git("diff", "--no-ext-diff", "--no-textconv", "--shortstat", f"{a}..{b}", cwd=root)
     return out.strip()
 
 
@@ -419,10 +420,52 @@ def commit_step(wt: Worktree, message: str, keep: str | None = None) -> str:
     git("symbolic-ref", "HEAD", ref, at=where)  # an agent that switched branch is brought back
     if keep is not None and not git_ok("merge-base", "--is-ancestor", keep, ref, at=where):
         git("update-ref", "-m", "overnight: the branch was rewritten; kept", ref, keep, at=where)
-    git("add", "-A", "--", ".", cwd=wt.path, at=where)
-    git("commit", "--quiet", "--allow-empty", "--no-verify", "-m", message, cwd=wt.path, at=where)
-    sha = git("rev-parse", "--verify", ref, at=where).strip()
-    return sha
+    parent = git("rev-parse", "--verify", f"{ref}^{{commit}}", at=where).strip()
+    tree = _tree_of(wt)
+    new = git("commit-tree", tree, "-p", parent, "-m", message, at=where).strip()
+    git("update-ref", "-m", "overnight: commit after an agent step", ref, new, parent, at=where)
+    git("read-tree", ref, at=where)  # the worktree's index follows its branch (no filter runs)
+    return new
+
+
+def _tree_of(wt: Worktree) -> str:
+    """The tree object of what the worktree holds: tracked and untracked files, ignored ones
+    left out, every blob hashed raw (plumbing only: no filter, hook or attribute runs, so a
+    repository config the agent wrote cannot run a program as overnight)."""
+    where = Where(wt.git_dir, wt.path)
+    out = git("ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=wt.path, at=where)
+    files, links = [], []
+    for rel in sorted(set(filter(None, out.split("\0")))):
+        full = os.path.join(wt.path, rel)
+        if rel.endswith("/") or not os.path.lexists(full):
+            continue  # a nested repository, or a tracked file the agent deleted
+        if os.path.islink(full):
+            links.append(rel)
+        elif os.path.isfile(full):
+            files.append(rel)
+    rows = []
+    if files:
+        paths = "".join(f"{rel}\n" for rel in files).encode("utf-8", "surrogateescape")
+        shas = git_bytes(
+            "hash-object", "-w", "--no-filters", "--stdin-paths", cwd=wt.path, at=where, data=paths
+        ).split()
+        for rel, sha in zip(files, shas, strict=True):
+            executable = os.stat(os.path.join(wt.path, rel)).st_mode & 0o100
+            rows.append(f"{'100755' if executable else '100644'} {sha.decode()}\t{rel}")
+    for rel in links:
+        target = os.fsencode(os.readlink(os.path.join(wt.path, rel)))
+        sha = git_bytes("hash-object", "-w", "--stdin", at=where, data=target).strip()
+        rows.append(f"120000 {sha.decode()}\t{rel}")
+    index = os.path.join(wt.git_dir, "overnight-index")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(index)
+    scratch = Where(wt.git_dir, wt.path, index=index)
+    data = "".join(f"{row}\0" for row in rows).encode("utf-8", "surrogateescape")
+    git_bytes("update-index", "--add", "-z", "--index-info", at=scratch, data=data)
+    tree = git("write-tree", at=scratch).strip()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(index)
+    return tree
 
 
 @dataclass(frozen=True)

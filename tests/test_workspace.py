@@ -406,3 +406,17 @@ def test_prune_removes_a_frozen_tree_a_dead_worker_left(
     (frozen / "sub").mkdir(parents=True)
     lines = prune(TaskStore(r, Keys(namespace)), tmp_path / "state")
     assert lines == [f"{rec.id}: removed {frozen}"] and not frozen.exists()
+
+
+def test_overnights_commit_runs_no_filter_the_repository_config_names(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    marker = tmp_path / "filter-ran"
+    # What an agent of overnight's own user could write into the repository's config.
+    sh(repo, "config", "filter.evil.clean", f"touch {marker}; cat")
+    agent = FIX + "; open('.gitattributes', 'w').write('*.py filter=evil\\n')"
+    rec = run(r, namespace, tmp_path, task_toml(repo, agent))
+    assert rec.state == "finished_verified", rec.detail
+    assert not marker.exists()
+    assert sh(repo, "show", f"overnight/{rec.id}:calc.py") == FIXED
