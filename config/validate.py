@@ -250,6 +250,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "step_user": user_name,
     "allow_root_steps": flag,
     "host_id": host_id,
+    "state_dir": optional(text),
     "stop_at": stop_at,
     "metrics_port": optional(port),
     "notify_url": model_url,

@@ -169,7 +169,7 @@ class UpResult:
 def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     """Run the stack until Ctrl-C/SIGTERM (or, with ``exit_when_done``, until every task of
     this run has ended or paused). Nothing it started outlives it."""
-    from overnight.config.connection import connect, describe
+    from overnight.config.connection import connect
     from overnight.config.settings import load_settings
     from overnight.worker.stepuser import decide
 
@@ -192,8 +192,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
             where = f"started a private redis-server, data and log in {opts.state_dir / 'redis'}"
         else:
             where = "OVERNIGHT_REDIS_URL"
-        print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
-        return _run(opts, settings, stack, stopper, connect, out)
+        return _run(opts, settings, stack, stopper, connect, out, where)
     finally:
         leftovers = stack.stop()
         if leftovers:
@@ -208,7 +207,9 @@ def _run(
     stopper: StopRequested,
     connect: Any,
     out: TextIO,
+    where: str,
 ) -> UpResult:
+    from overnight.config.connection import describe
     from overnight.coordinator.control import ensure_envelope, submit_folders
     from overnight.coordinator.dispatch import gateway_answers, gateway_wanted
     from overnight.coordinator.report import envelope_lines, render_plain
@@ -222,6 +223,8 @@ def _run(
     lock = _claim_instance(
         client, keys, f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     )
+    # Named once the namespace is ours, so a refusal stays one line.
+    print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
     try:
         budget = opts.budget if opts.budget is not None else settings.budget
         if budget is not None and ensure_envelope(client, keys, budget):

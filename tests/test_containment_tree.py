@@ -48,6 +48,13 @@ ESCAPE = textwrap.dedent(
         with open(seen, "a") as fh:
             fh.write(what + "\\n")
 
+    def cmdline(pid):
+        try:  # a process may exit between the listing and the read
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                return fh.read()
+        except OSError:
+            return b""
+
     if mode == "hop":
         for _ in range(16):  # 16 chains at once
             if os.fork() == 0:
@@ -89,8 +96,7 @@ ESCAPE = textwrap.dedent(
         # Wait until the escapee runs (its marker shows in the process table).
         end = time.monotonic() + 20
         while time.monotonic() < end and not any(
-            mark.encode() in open(f"/proc/{p}/cmdline", "rb").read()
-            for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/cmdline")
+            mark.encode() in cmdline(p) for p in os.listdir("/proc") if p.isdigit()
         ):
             print("waiting for the escapee", flush=True)  # a beat: this can be slow
             time.sleep(0.1)

@@ -411,4 +411,4 @@ def test_reaper_survives_a_redis_outage(
         code, err = stop_reaper(reaper)
         client.close()
     assert code == 0, err
-    assert "Redis unreachable" in err and "reachable again" in err
+    assert "Redis unavailable" in err and "available again" in err

@@ -53,7 +53,8 @@ def reaper_command(
     from overnight.worker import procs, reaper
 
     cfg = settings()
-    click.echo(f"overnight reaper: {describe(cfg)}", err=True)
+    if not once:  # a long-running reaper names its Redis first; one pass just answers
+        click.echo(f"overnight reaper: {describe(cfg)}", err=True)
     debug = bool((ctx.obj or {}).get("debug"))
     logging.basicConfig(
         stream=sys.stderr,
