@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             time.sleep(args.retention + 2)  # the last task ended just now
             keys_before = client.dbsize()
-            for _ in range(1 + n // 1000):  # a pass forgets up to 1,000 ended leases
+            for _ in range(2 + 2 * n // 1000):  # a pass forgets up to 1,000 ended leases
                 recover(client, rq_conn, keys, settings)
             # Expired keys go as Redis samples them; reading each name ends it at once.
             names = [k for k in client.scan_iter(count=1000) if client.exists(k)]
