@@ -126,11 +126,11 @@ class ClaimKeeper(threading.Thread):
         super().__init__(name=f"claim-{task_id}", daemon=True)
         self.store, self.task_id, self.token, self.ttl = store, task_id, token, ttl
         self.lost = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         last_ok = time.monotonic()
-        while not self._stop.wait(self.ttl / 3):
+        while not self._halt.wait(self.ttl / 3):
             try:
                 self.store.renew(self.task_id, self.token, self.ttl)
                 last_ok = time.monotonic()
@@ -144,7 +144,7 @@ class ClaimKeeper(threading.Thread):
                     return
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 class ServerClock:
