@@ -290,17 +290,23 @@ def send_beat(
     end = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
+        closed = LeaseRefused(lease_id, "not-running: its supervisor's channel is closed")
         try:
             sock.connect(path)
-            sock.send(request)
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+            raise closed from None
+        try:
+            # A supervisor that refuses at once may close before we send: read its answer.
+            with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+                sock.send(request)
             sock.settimeout(max(0.01, end - time.monotonic()))
             reply = sock.recv(256).decode("utf-8", "replace")
-        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
-            raise LeaseRefused(
-                lease_id, "not-running: its supervisor's channel is closed"
-            ) from None
+        except (ConnectionResetError, BrokenPipeError):
+            raise closed from None
         except TimeoutError:
             raise ChannelDown(f"lease {lease_id}: its supervisor did not answer a beat") from None
+        if not reply:
+            raise closed
     word, _, rest = reply.partition(" ")
     if word == "ok":
         try:
