@@ -494,6 +494,20 @@ class OvernightWorker(Worker):
                 raise
             self._stalled(exc)
 
+    def register_birth(self) -> None:
+        # A worker (re)started while Redis refuses writes waits instead of dying at birth;
+        # RQ registers in one MULTI/EXEC, so a refused try wrote nothing.
+        while True:
+            try:
+                super().register_birth()  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                if not transient(exc) or self._stop_requested:
+                    raise
+                self._stalled(exc)
+                continue
+            self._redis.ok()
+            return
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         try:
             super().heartbeat(timeout, pipeline)
