@@ -7,7 +7,6 @@ host; the task's record keeps the last steps' tails and their log paths.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
@@ -26,13 +25,11 @@ FOLLOW_POLL = 0.5
 
 def task_log_root(settings: Settings, namespace: str) -> Path:
     """The folder under which this host keeps the step logs of ``namespace``'s tasks: in
-    OVERNIGHT_STATE_DIR (``up`` sets it to its ``--state-dir``), else the XDG state folder."""
-    if settings.state_dir:
-        base = Path(settings.state_dir).expanduser()
-    else:
-        xdg = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-        base = Path(xdg) / "overnight"
-    return base.resolve() / "task-logs" / namespace
+    overnight's state folder (:func:`overnight.coordinator.workspace.state_dir`), the same
+    one that holds the worktrees."""
+    from overnight.coordinator.workspace import state_dir
+
+    return state_dir(settings) / "task-logs" / namespace
 
 
 def task_folder(rec: TaskRecord, root: Path) -> Path:

@@ -17,9 +17,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from overnight.config.settings import Settings
 
 WORKTREE: Literal["worktree"] = "worktree"
 IN_PLACE: Literal["in-place"] = "in-place"
@@ -505,11 +508,14 @@ def remove_worktree(root: str, path: str) -> None:
 # --- submit -----------------------------------------------------------------------------------
 
 
-def state_dir() -> Path:
-    """overnight's own folder on this host (the ``state_dir`` setting, else the XDG one)."""
-    from overnight.config.context import settings
+def state_dir(settings: Settings | None = None) -> Path:
+    """overnight's own folder on this host: the ``state_dir`` setting (of ``settings``,
+    default the process's), else ``/var/lib/overnight`` as root, else the XDG one."""
+    if settings is None:
+        from overnight.config.context import settings as current
 
-    configured = settings().state_dir
+        settings = current()
+    configured = settings.state_dir
     if configured:
         return Path(configured).expanduser().resolve()
     if os.geteuid() == 0:  # a step user must be able to reach its worktree
