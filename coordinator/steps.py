@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING
 
 from overnight.worker.gateway_grant import Grant
 from overnight.worker.signals import SignalCatcher
-from overnight.worker.stepenv import step_environment
+from overnight.worker.stepenv import make_home, remove_home, step_environment
 from overnight.worker.stepuser import StepUser, configured
 from overnight.worker.supervisor import StepSpec, run_supervised
 
@@ -54,6 +54,9 @@ class StepRequest:
     log_path: Path | None = None  # where the step's whole output is kept (up to LOG_CAP_BYTES)
     as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
     lease_id: str | None = None  # chosen by the caller (the worktree lock names it); else new
+    home_files: dict[str, str] | None = None  # written into the step's scratch HOME first
+    # Sees every output line too (an agent preset reading the CLI's structured output).
+    on_line: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class OutputCapture:
     max_bytes: int = TAIL_BYTES
     log: IO[bytes] | None = None  # the whole output goes here too, up to log_cap bytes
     log_cap: int = LOG_CAP_BYTES
+    also: Callable[[bytes], None] | None = None  # sees every line as well
     _lines: deque[bytes] = field(default_factory=deque)
     _hash: hashlib._Hash = field(default_factory=hashlib.sha256)
     _logged: int = 0
@@ -89,6 +93,8 @@ class OutputCapture:
 
     def __call__(self, line: bytes) -> None:
         whole = line if line.endswith(b"\n") else line + b"\n"
+        if self.also is not None:
+            self.also(line)
         self._hash.update(whole)
         self._lines.append(line.rstrip(b"\r\n")[: self.max_bytes])
         while len(self._lines) > self.max_lines:
@@ -127,14 +133,14 @@ StepRunner = Callable[[StepRequest], StepOutcome]
 def open_capture(req: StepRequest) -> OutputCapture:
     """A capture for ``req``, writing its log file when the request names one (a log that
     cannot be opened costs the log, not the step)."""
-    if req.log_path is None:
-        return OutputCapture()
-    try:
-        req.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fh = open(req.log_path, "ab")  # noqa: SIM115 - closed by OutputCapture.close
-    except OSError:
-        return OutputCapture()
-    return OutputCapture(log=fh)
+    fh = None
+    if req.log_path is not None:
+        try:
+            req.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fh = open(req.log_path, "ab")  # noqa: SIM115 - closed by OutputCapture.close
+        except OSError:
+            fh = None
+    return OutputCapture(log=fh, also=req.on_line)
 
 
 def start_problem(argv: list[str], cwd: str, path: str | None) -> str | None:
@@ -178,6 +184,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             stdin_data=req.stdin_data,
             grant=req.grant,
             user=as_user if req.as_step_user else None,
+            home_files=req.home_files,
         )
         try:
             with alarm_ends_step() as alarm:
@@ -237,6 +244,20 @@ def _plain(req: StepRequest, capture: OutputCapture) -> StepOutcome:
     limit = req.deadline
     env = step_environment(os.environ, req.env, lease_id=None, task_id=req.task_id)
     env.setdefault("HOME", os.environ.get("HOME", "/"))
+    home = None
+    if req.home_files:
+        home = make_home(f"plain-{req.task_id}", None, req.home_files)
+        env["HOME"], env["TMPDIR"] = home, os.path.join(home, "tmp")
+    try:
+        return _plain_run(req, capture, env, limit)
+    finally:
+        if home is not None:
+            remove_home(home)
+
+
+def _plain_run(
+    req: StepRequest, capture: OutputCapture, env: dict[str, str], limit: float
+) -> StepOutcome:
     try:
         proc = subprocess.run(
             req.argv,

@@ -96,14 +96,32 @@ def step_environment(
     return env
 
 
-def make_home(lease_id: str, owner: StepUser | None = None) -> str:
+def make_home(
+    lease_id: str, owner: StepUser | None = None, files: Mapping[str, str] | None = None
+) -> str:
     """A fresh scratch folder for one step (mode 0700), with ``tmp/`` inside it, owned by
-    ``owner`` (the step user) if given."""
+    ``owner`` (the step user) if given. ``files`` (relative path -> text) are written into
+    it first (0600, folders 0700): an agent preset's configuration."""
     home = tempfile.mkdtemp(prefix=f"overnight-home-{lease_id[:24]}-")
-    tmp = os.path.join(home, "tmp")
-    os.mkdir(tmp, 0o700)
+    made = [os.path.join(home, "tmp")]
+    os.mkdir(made[0], 0o700)
+    for rel, text in (files or {}).items():
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"not a plain relative path: {rel!r}")
+        folder = home
+        for part in parts[:-1]:
+            folder = os.path.join(folder, part)
+            if not os.path.isdir(folder):
+                os.mkdir(folder, 0o700)
+                made.append(folder)
+        path = os.path.join(folder, parts[-1])
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        made.append(path)
     if owner is not None:
-        for path in (tmp, home):
+        for path in [*made, home]:
             os.chown(path, owner.uid, owner.gid)
     return home
 

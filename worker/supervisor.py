@@ -95,6 +95,8 @@ class StepSpec:
     contain: bool = True
     # What the step may spend through the gateway; None: it gets no gateway token.
     grant: Grant | None = None
+    # Written into the step's scratch HOME before it starts (an agent preset's config files).
+    home_files: dict[str, str] | None = None
 
 
 @dataclass
@@ -215,7 +217,7 @@ class _Run:
                 return self._refuse_start(f"the step user cannot use the workdir: {problem}")
         try:
             self.channel = Channel(self.lease_id)
-            self.home = stepenv.make_home(self.lease_id, spec.user)
+            self.home = stepenv.make_home(self.lease_id, spec.user, spec.home_files)
             if spec.contain:
                 self.group = cgroup.create(self.keys.namespace, self.lease_id)
             env = stepenv.step_environment(os.environ, spec.env, lease_id=self.lease_id,
