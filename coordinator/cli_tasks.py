@@ -17,7 +17,6 @@ from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandErr
 from overnight.config.spawn import overnight_argv
 
 if TYPE_CHECKING:
-    from overnight.config.settings import Settings
     from overnight.coordinator.taskstore import TaskRecord, TaskStore
 
 
@@ -156,6 +155,7 @@ def worker_command(
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
     from overnight.coordinator.dispatch import OvernightWorker
+    from overnight.coordinator.gateway_watch import GatewayWatch
     from overnight.coordinator.metrics import serve_from_settings as serve_metrics
     from overnight.worker.stepuser import configured
 
@@ -171,7 +171,7 @@ def worker_command(
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None
-    gateway = _start_gateway(settings())
+    gateway = GatewayWatch.start_for(settings())  # restarted whenever it exits
     try:
         while True:
             try:
@@ -193,8 +193,7 @@ def worker_command(
             reaper.terminate()
             reaper.wait(30)
         if gateway is not None:
-            gateway.terminate()
-            gateway.wait(30)
+            gateway.stop()
 
 
 def _start_reaper() -> subprocess.Popen[bytes]:
@@ -207,24 +206,6 @@ def _start_reaper() -> subprocess.Popen[bytes]:
         stdin=subprocess.DEVNULL,
         preexec_fn=lambda: set_pdeathsig(signal.SIGTERM),
     )
-
-
-def _start_gateway(cfg: Settings) -> subprocess.Popen[bytes] | None:
-    """This host's ``overnight gateway`` as a child that gets SIGTERM if this worker dies;
-    None when no upstream is configured or a gateway already answers on its port (one
-    gateway per host: another worker's, or ``overnight up``'s)."""
-    from overnight.coordinator.dispatch import gateway_answers, gateway_wanted
-    from overnight.worker.procs import set_pdeathsig
-
-    if not gateway_wanted(cfg) or gateway_answers(cfg):
-        return None
-    proc = subprocess.Popen(
-        overnight_argv("gateway"),
-        stdin=subprocess.DEVNULL,
-        preexec_fn=lambda: set_pdeathsig(signal.SIGTERM),
-    )
-    gateway_answers(cfg, wait=10.0)  # the first step's first request finds it up
-    return proc
 
 
 def _warn_missing_envelopes(names: list[str]) -> None:
