@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     model_timeout: float = Field(60.0, gt=0)
     # The gateway's Anthropic-compatible upstream (the OpenAI-compatible one is model_url).
     anthropic_url: str | None = None
+    # The model the "claude" preset asks for (the OpenAI-wire presets use model_name).
+    anthropic_model: str = "claude-sonnet-4-5"
     anthropic_api_key: SecretStr | None = None
     # Where `overnight gateway` listens, and the URL steps are pointed at (default: that).
     gateway_host: str = "127.0.0.1"

@@ -234,6 +234,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "model_url": model_url,
     "model_api_key": optional(secret),
     "model_name": text,
+    "anthropic_model": text,
     "model_timeout": positive,
     "anthropic_url": model_url,
     "anthropic_api_key": optional(secret),

@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reconcile": ("coordinator.cli_tasks:reconcile_command", "Resume or abort a paused task."),
     "receipts": ("coordinator.cli_tasks:receipts_command", "Print receipts as JSON lines."),
     "logs": ("coordinator.cli_tasks:logs_command", "Print what a task's steps printed."),
+    "agents": ("coordinator.cli_agents:agents_command", "List agent presets and their CLIs."),
     "report": ("coordinator.cli_tasks:report_command", "The morning view of every task."),
     "diff": ("coordinator.cli_tasks:diff_command", "Print a task branch's diff against its base."),
     "worktrees": ("coordinator.cli_tasks:worktrees_group", "Prune the worktrees of ended tasks."),

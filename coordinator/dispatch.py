@@ -167,6 +167,7 @@ def gateway_answers(settings: Settings, wait: float = 0.0) -> bool:
 def loop_config(settings: Settings, namespace: str) -> LoopConfig:
     return LoopConfig(
         model_env=model_env(settings),
+        preset_models={"openai": settings.model_name, "anthropic": settings.anthropic_model},
         gateway_url=gateway_base(settings) if gateway_wanted(settings) else None,
         default_deadline=settings.deadline,
         default_gap=settings.heartbeat_gap,

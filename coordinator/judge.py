@@ -179,8 +179,13 @@ def judge(
     cp.in_flight = None
     name = step_name(spec, cp.step)
     said = ending(cp.turn, name, cp.step > 0, out.status, out.note, out.limit)
+    if not said and out.said is not None and not out.said.ok:
+        said = f"turn {cp.turn} {name} reported a failure: {out.said.summary}"
     data = {"step": name, "turn": cp.turn, "exit_code": out.exit_code, "status": out.status,
             "note": out.note, "digest": out.digest}  # fmt: skip
+    if out.said is not None:
+        data["agent_said"] = out.said.summary
+        data["agent_ok"] = out.said.ok
     if said:
         data["ending"] = said
     events = [Event("step_finished", data, out.lease_id)]
@@ -192,8 +197,7 @@ def judge(
         halted = refused(cp, spec, "task" if detail.startswith("task ") else "envelope", detail)
         return Next(halted.checkpoint, halted.state, detail, (*events, *halted.events))
     if cp.step == 0 and out.exit_code in CANNOT_START and out.note.startswith("worker-exit-"):
-        command = spec.agent[0] if spec.agent else "the built-in model step"
-        failed = agent_failed(cp, command, f"exit {out.exit_code}")
+        failed = agent_failed(cp, spec.command(), f"exit {out.exit_code}")
         return Next(failed.checkpoint, failed.state, failed.detail, (*events, *failed.events))
     if cp.step == 0 and cp.protected_changed:
         cp.results.append(protected_result(cp.protected_changed))
@@ -204,6 +208,7 @@ def judge(
             lease_id=out.lease_id,
             digest=out.digest,
             tail=out.tail,
+            said=out.said.summary if out.said is not None else "",
         )
     else:
         cp.results.append(

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from overnight.coordinator import workspace
+from overnight.coordinator import agents, workspace
 from overnight.coordinator.workspace import Base
 from overnight.worker.stepenv import declared_problem
 
@@ -70,7 +70,10 @@ class TaskSpec(BaseModel):
     id: str | None = None
     assignment: str = Field(min_length=1, max_length=MAX_TEXT)
     workdir: str = "."
-    agent: list[str] | None = Field(None, min_length=1)
+    # A command (argv), or the name of a preset for a real agent CLI (coordinator.agents).
+    agent: list[str] | str | None = Field(None, min_length=1)
+    # The model name a preset's CLI asks for (default: the settings' model for its wire).
+    model: str | None = Field(None, min_length=1, max_length=200)
     max_calls: int = Field(20, ge=1, le=1_000_000)
     # Tokens (input + output) the task's model requests may spend through the gateway.
     max_tokens: int | None = Field(None, ge=1, le=10**15)
@@ -123,8 +126,26 @@ class TaskSpec(BaseModel):
 
     @field_validator("agent")
     @classmethod
-    def _agent(cls, value: list[str] | None) -> list[str] | None:
+    def _agent(cls, value: list[str] | str | None) -> list[str] | str | None:
+        if isinstance(value, str):
+            if value not in agents.names():
+                known = ", ".join(repr(n) for n in agents.names())
+                raise ValueError(f"{value!r} is not a preset (one of {known}), nor a command list")
+            return value
         return None if value is None else _check_argv(value)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(ord(c) < 32 for c in value)):
+            raise ValueError("must be non-blank text on one line")
+        return value
+
+    def command(self) -> str:
+        """What runs as the agent, in words: a preset's name, a command, or the model step."""
+        if isinstance(self.agent, str):
+            return self.agent
+        return self.agent[0] if self.agent else "the built-in model step"
 
     @field_validator("verifier")
     @classmethod

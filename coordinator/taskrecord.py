@@ -36,6 +36,7 @@ class AgentResult(BaseModel):
     lease_id: str | None = None
     digest: str = ""
     tail: str = ""
+    said: str = ""  # an agent preset's CLI's own one-line account of the step
 
 
 class StepLog(BaseModel):

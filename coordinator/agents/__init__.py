@@ -10,6 +10,7 @@ token (``OPENAI_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN``), never a real key.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -103,6 +104,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {}
+# Each preset's module, imported on first use (not with the loop) and registering itself.
+MODULES = {"aider": "aider", "claude": "claude", "codex": "codex", "mini-swe-agent": "mini"}
 
 
 def register(preset: Preset) -> Preset:
@@ -110,19 +113,18 @@ def register(preset: Preset) -> Preset:
     return preset
 
 
-def get(name: str) -> Preset | None:
-    _load()
-    return PRESETS.get(name)
-
-
 def names() -> list[str]:
-    _load()
-    return sorted(PRESETS)
+    return sorted(MODULES)
 
 
-def _load() -> None:
-    # The preset modules register themselves; imported on first use, not with the loop.
-    from overnight.coordinator.agents import aider, claude, codex, mini  # noqa: F401
+def get(name: str) -> Preset | None:
+    """The preset ``name`` (None: there is none)."""
+    module = MODULES.get(name)
+    if module is None:
+        return None
+    if name not in PRESETS:
+        importlib.import_module(f"overnight.coordinator.agents.{module}")
+    return PRESETS[name]
 
 
 @dataclass(frozen=True)
