@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -40,10 +40,18 @@ def _record(store: TaskStore, task_id: str) -> TaskRecord:
     return rec
 
 
-def _status_json(store: TaskStore, rec: TaskRecord) -> str:
+def _statuses(store: TaskStore, records: list[TaskRecord]) -> list[dict[str, Any]]:
+    """``overnight status`` JSON of each record, token fields included."""
     from overnight.coordinator.report import status_dict
+    from overnight.coordinator.task_tokens import token_fields, with_tokens
 
-    return json.dumps(status_dict(rec, store.claim_alive(rec.id)), indent=2)
+    tokens = token_fields(store.client, store.keys, records)
+    return [with_tokens(status_dict(rec, store.claim_alive(rec.id)), tokens[rec.id])
+            for rec in records]  # fmt: skip
+
+
+def _status_json(store: TaskStore, rec: TaskRecord) -> str:
+    return json.dumps(_statuses(store, [rec])[0], indent=2)
 
 
 @click.command("submit")
@@ -232,16 +240,16 @@ def _warn_missing_envelopes(names: list[str]) -> None:
 def status_command(task_id: str | None) -> None:
     """Print a task's state as JSON (state, calls_used, turns, last_verdict, ...).
 
+    tokens_used is what the gateway charged the task (held against max_tokens);
+    input_tokens and output_tokens are the upstream's figures from the ledger.
+
     With no TASK, prints a JSON array with every task of the namespace.
     """
-    from overnight.coordinator.report import status_dict
-
     store = _store()
     if task_id is not None:
         click.echo(_status_json(store, _record(store, task_id)))
         return
-    out = [status_dict(rec, store.claim_alive(rec.id)) for rec in store.all()]
-    click.echo(json.dumps(out, indent=2))
+    click.echo(json.dumps(_statuses(store, store.all()), indent=2))
 
 
 @click.command("reconcile")
