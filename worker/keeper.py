@@ -32,10 +32,10 @@ log = logging.getLogger("overnight.supervisor")
 class Keeper:
     """The supervisor's hold on one running lease (``doc``, just acquired at ``now``).
 
-    ``deadline`` and ``gap`` are the spec's budget and gap in seconds. ``redis_beats``: the
-    child may also beat through Redis itself (it holds the lease token), so a newer
-    ``heartbeat_unix`` read back counts as progress, placed on the local clock and never
-    later than the read; the deadline never moves. ``clock`` is the monotonic clock.
+    ``deadline`` and ``gap`` are the spec's budget and gap in seconds; progress is only what
+    this process sees (output, beats on the step's channel, the gateway's word), never a
+    heartbeat read back from Redis, which the step cannot reach. ``clock`` is the monotonic
+    clock.
     ``io_budget``: the longest one Redis call can block here (default: the supervisor
     client's read timeout, then its one retry's connect and read).
     """
@@ -50,7 +50,6 @@ class Keeper:
         beat_while_alive: bool,
         host: str,
         now: float,
-        redis_beats: bool = True,
         clock: Callable[[], float] = time.monotonic,
         io_budget: float | None = None,
     ) -> None:
@@ -59,7 +58,6 @@ class Keeper:
         self.lease_id, self.token = doc.lease_id, doc.token
         self.gap = gap
         self.beat_while_alive = beat_while_alive
-        self.redis_beats = redis_beats
         self.host = host
         self.clock = clock
         self.errors = redis_errors()
@@ -69,10 +67,8 @@ class Keeper:
         self.io_budget = 3 * io_timeout(gap) if io_budget is None else io_budget
         self._beat_pending = False
         self.last_beat = now  # our last beat written to Redis (or the acquire)
-        self.beat_done = now  # when that write returned
         self.deadline_at = now + deadline
         self.last_seen = now  # the last progress seen here
-        self.heartbeat_unix = doc.heartbeat_unix  # the newest one read back from Redis
         self.lapse_at = now + min(gap, deadline)  # when Redis's liveness key could lapse
         self.unreachable_since: float | None = None
         self.retry_at = 0.0
@@ -147,15 +143,9 @@ class Keeper:
             refused = self._look_at_gateway(now)
             if refused is not None:
                 return refused
-        if self.local_lapse(now) is not None:
-            if self.redis_beats and self.unreachable_since is None:
-                # The child may have beaten through Redis meanwhile: look before ending.
-                ended = self._probe()
-                if ended is not None:
-                    return ended
-            reason = self.local_lapse(now)
-            if reason is not None:
-                return self._lapsed_here(reason)
+        reason = self.local_lapse(now)
+        if reason is not None:
+            return self._lapsed_here(reason)
         if self.unreachable_since is not None:
             if now - self.unreachable_since >= self.gap or now >= self.cut_off_at:
                 return self._lost(f"Redis unreachable for {now - self.unreachable_since:.1f}s")
@@ -203,7 +193,6 @@ class Keeper:
         self._reachable()
         self._beat_pending = False
         self.last_beat = t
-        self.beat_done = self.clock()
         self.lapse_at = t + secs
         return None
 
@@ -221,11 +210,6 @@ class Keeper:
             return self._lost("the lease record is gone")
         if doc.status != "running":
             return self._ended_elsewhere(doc.status)
-        if self.redis_beats and doc.heartbeat_unix > self.heartbeat_unix:
-            self.heartbeat_unix = doc.heartbeat_unix
-            at = t - max(0.0, server_now - doc.heartbeat_unix)
-            if at > self.beat_done:  # not our own beat (that one returned by beat_done)
-                self.last_seen = max(self.last_seen, at)
         if pttl >= 0:
             self.lapse_at = t + max(pttl, 1) / 1000
             return None

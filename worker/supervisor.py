@@ -192,7 +192,7 @@ class _Run:
         self.lease_id = doc.lease_id
         self.keeper = Keeper(self.leases, doc, gap=spec.gap, deadline=spec.deadline,
                              beat_while_alive=spec.beat_while_alive, host=self.host,
-                             now=started, redis_beats=False)  # fmt: skip
+                             now=started)  # fmt: skip
         self._mirror(doc)
         log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
         with subreaper():
