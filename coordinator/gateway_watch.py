@@ -34,7 +34,7 @@ POLL = 0.25
 def restart_delay(quick_exits: int) -> float:
     """Seconds to wait before starting the gateway again after ``quick_exits`` exits in a row
     that each came within ``STEADY`` seconds of its start (this one included)."""
-    return min(MAX_DELAY, FIRST_DELAY * 2 ** min(max(0, quick_exits - 1), 16))
+    return min(MAX_DELAY, FIRST_DELAY * 2.0 ** min(max(0, quick_exits - 1), 16))
 
 
 def spawn_gateway() -> subprocess.Popen[bytes]:
