@@ -74,17 +74,17 @@ def test_the_reader_takes_the_turns_end(lines: list[Any], said: Said | None) -> 
     assert reader.said() == said
 
 
-def test_launch_is_headless_and_names_the_gateway_only_by_variable() -> None:
-    ctx = Context("fix it", "/p/prompt.txt", 'gpt "x"', "/w", 1)
+def test_launch_is_headless_and_points_at_the_gateway() -> None:
+    ctx = Context("fix it", "/p/prompt.txt", 'gpt "x"', "/w", 1, "http://127.0.0.1:4680/")
     launch = preset.launch(ctx)
-    assert launch.argv[:2] == ["sh", "-c"] and launch.argv[-2:] == ["--", "fix it"]
-    assert "$OPENAI_BASE_URL" not in launch.argv[2] and "${OPENAI_BASE_URL:?" in launch.argv[2]
+    assert launch.argv[:2] == ["codex", "exec"] and launch.argv[-2:] == ["--", "fix it"]
     for flag in ("--json", "--strict-config", "--dangerously-bypass-approvals-and-sandbox"):
         assert flag in launch.argv
     assert launch.env == {}
     config = launch.home_files[".codex/config.toml"]
     assert 'model = "gpt \\"x\\""' in config
     assert "supports_websockets = false" in config and 'env_key = "OPENAI_API_KEY"' in config
+    assert 'base_url = "http://127.0.0.1:4680/v1"' in config
     long = preset.launch(Context("x" * 200_000, "/p/prompt.txt", "m", "/w", 1))
     assert long.argv[-1].startswith("Your assignment is in the file /p/prompt.txt.")
 
@@ -242,13 +242,13 @@ def test_codex_posts_to_its_provider_only(scripted: Start, trap: Trap, tmp_path:
     upstream = scripted([{"text": "Fixing.", "shell": FIX}, {"text": "Fixed."}])
     work = _repo(tmp_path / "w")
     launch = preset.launch(Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted",
-                                   str(work), 1))  # fmt: skip
+                                   str(work), 1, upstream))  # fmt: skip
     home = tmp_path / "home"
     for rel, text in launch.home_files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
         (home / rel).write_text(text)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), **trap.env(),
-           "OPENAI_BASE_URL": f"{upstream}/v1", "OPENAI_API_KEY": "tok-1"}  # fmt: skip
+           "OPENAI_API_KEY": "tok-1"}  # fmt: skip
     done = subprocess.run(launch.argv, cwd=work, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, timeout=120, check=False)  # fmt: skip
     reader = preset.CodexReader()

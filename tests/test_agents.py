@@ -83,10 +83,14 @@ def task(tmp_path: Path, **kw: Any) -> TaskSpec:
     return TaskSpec.model_validate(data)
 
 
-def run(r: redis.Redis, namespace: str, tmp_path: Path, spec: TaskSpec) -> TaskStore:
+def run(
+    r: redis.Redis, namespace: str, tmp_path: Path, spec: TaskSpec,
+    gateway: str | None = "http://127.0.0.1:9",
+) -> TaskStore:  # fmt: skip
     store = TaskStore(r, Keys(namespace))
     [rec] = store.create([spec], queue="q")
-    config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "prompts",
+    # The plain runner gives steps no gateway token; a preset still needs one configured.
+    config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "prompts", gateway_url=gateway,
                         preset_models={"openai": "gpt-x", "anthropic": "claude-x"})  # fmt: skip
     TaskLoop(store, plain_runner, Budget(100), config).run(rec.id, rec.attempt, Runner(worker="t"))
     return store
@@ -125,7 +129,8 @@ def test_every_preset_is_registered_by_its_module() -> None:
     for name in agents.names():
         preset = agents.get(name)
         assert preset is not None and preset.name == name
-        launch = preset.launch(agents.Context("fix it", "/tmp/p.txt", "m1", "/w", 1))
+        ctx = agents.Context("fix it", "/tmp/p.txt", "m1", "/w", 1, "http://127.0.0.1:4680")
+        launch = preset.launch(ctx)
         assert launch.argv[0] == preset.program
         # A preset never hands the step a real credential: only the gateway's token.
         assert not {"OPENAI_API_KEY", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"} & set(launch.env)
@@ -192,3 +197,12 @@ def test_a_preset_whose_cli_is_missing_fails_before_any_call(
     assert rec.calls_used == 0
     assert "the fake preset needs 'fake-cli' on PATH" in rec.detail
     assert "install: pip install fake-cli" in rec.detail
+
+
+def test_a_preset_without_a_gateway_fails_before_any_call(
+    r: redis.Redis, namespace: str, tmp_path: Path, fake_preset: Path
+) -> None:
+    store = run(r, namespace, tmp_path, task(tmp_path), gateway=None)
+    [rec] = store.all()
+    assert (rec.state, rec.calls_used) == ("agent_failed", 0)
+    assert "only through the gateway, and none is configured" in rec.detail

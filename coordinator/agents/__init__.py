@@ -33,6 +33,7 @@ class Context:
     model: str  # the model name the CLI asks the gateway for
     workdir: str  # where the step runs (the task's worktree)
     turn: int
+    gateway_url: str = ""  # the host gateway's root URL (OpenAI-style base: + "/v1")
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,9 @@
 JSON event a line and ends a turn with ``turn.completed`` or ``turn.failed``.
 
 It speaks the Responses API only (``POST {base_url}/responses``, streamed) through a
-custom provider written into ``$HOME/.codex/config.toml``: ``env_key = "OPENAI_API_KEY"``
-(the step's gateway token) and ``supports_websockets = false``, so it never asks for an
-upgrade. The provider's ``base_url`` is the step's ``OPENAI_BASE_URL``, known only when the
-step starts, hence the ``sh -c`` that passes it as a ``-c`` override and then execs codex.
+custom provider written into ``$HOME/.codex/config.toml`` (Codex's default ``CODEX_HOME``):
+``base_url`` the host gateway's, ``env_key = "OPENAI_API_KEY"`` (the step's per-lease
+token) and ``supports_websockets = false``, so it never asks for an upgrade.
 Its shell tool is ``exec_command`` ``{"cmd": "..."}``.
 
 Off, so the step's only traffic is the task's own model requests (each checked with an
@@ -66,6 +65,7 @@ unbounded_connection_retries = false
 
 [model_providers.{provider}]
 name = "overnight gateway"
+base_url = {base_url}
 env_key = "OPENAI_API_KEY"
 wire_api = "responses"
 supports_websockets = false
@@ -74,18 +74,11 @@ request_max_retries = 1
 stream_max_retries = 1
 """
 
-# $OPENAI_BASE_URL is the gateway's, set for the step; without it the step fails at once.
-SHELL = (
-    'export CODEX_HOME="$HOME/.codex"; '
-    "exec codex exec -c "
-    f'"model_providers.{PROVIDER}.base_url=\\"${{OPENAI_BASE_URL:?no gateway for this step}}\\"" '
-    '"$@"'
-)
 
-
-def config_toml(model: str) -> str:
+def config_toml(model: str, base_url: str) -> str:
     # A JSON string is a valid TOML basic string.
-    return CONFIG.format(model=json.dumps(model), provider=PROVIDER)
+    return CONFIG.format(model=json.dumps(model), provider=PROVIDER,
+                         base_url=json.dumps(base_url))  # fmt: skip
 
 
 def prompt_arg(ctx: Context) -> str:
@@ -96,10 +89,11 @@ def prompt_arg(ctx: Context) -> str:
 
 
 def launch(ctx: Context) -> Launch:
-    argv = ["sh", "-c", SHELL, "codex", "--json", "--strict-config", "--ephemeral",
+    argv = ["codex", "exec", "--json", "--strict-config", "--ephemeral",
             "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
             "--color", "never", "-C", ctx.workdir, "--", prompt_arg(ctx)]  # fmt: skip
-    return Launch(argv=argv, home_files={".codex/config.toml": config_toml(ctx.model)})
+    base_url = ctx.gateway_url.rstrip("/") + "/v1"
+    return Launch(argv=argv, home_files={".codex/config.toml": config_toml(ctx.model, base_url)})
 
 
 class CodexReader(JsonLinesReader):
