@@ -66,7 +66,9 @@ def up_command(
     redis-server is started with its data under --state-dir. Shows one row per task
     (state, turn, calls, lease age, last beat) and the envelope's remaining calls,
     redrawn in place on a terminal, as log lines otherwise. Ctrl-C or SIGTERM stops
-    everything it started and leaves no process behind. A second `up` on the same
+    everything it started and leaves no process behind: a running step is ended (its
+    tree gets SIGTERM and the grace; a second Ctrl-C skips the grace) and its task goes
+    back to queued from its checkpoint, to run that step again. A second `up` on the same
     namespace (or the same --state-dir) refuses to start (exit 2). The HTML report is
     refreshed every minute in --state-dir/report.html and written when the night ends.
     """

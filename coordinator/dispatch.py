@@ -8,6 +8,12 @@ step in flight had an unknown outcome. A pass reads the recovery index (claim ex
 queued tasks due a check), so its cost follows what changed, not how many tasks there are;
 it runs in the one process of the namespace that holds the recovery lead
 (:class:`RecoveryLead`): an :class:`OvernightWorker` or the coordinator.
+
+A stop the user asks of a worker is not an unknown outcome: on a warm stop (SIGTERM or
+SIGINT) the worker sends its work horse SIGTERM, which ends the step in flight through its
+lease and sends the task back to ``queued`` from its checkpoint (:mod:`coordinator.stop`);
+a forced stop (a second signal) sends it SIGTERM again, which skips what is left of the
+step's grace, and waits for the horse to record it before the worker goes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +40,11 @@ from overnight.config.context import settings as current_settings
 from overnight.config.keys import Keys
 from overnight.config.settings import gateway_base
 from overnight.coordinator.judge import expired, lost_step
-from overnight.coordinator.logs import task_log_root
+from overnight.coordinator.logs import prune_task_logs, task_log_root
 from overnight.coordinator.loop import CallRefused, Consume, LoopConfig, TaskLoop
 from overnight.coordinator.rerun import step_may_run
 from overnight.coordinator.states import QUEUED
-from overnight.coordinator.steps import StepRunner, supervised_runner
+from overnight.coordinator.steps import StepOutcome, StepRequest, StepRunner, supervised_runner
 from overnight.coordinator.taskstore import (
     Runner,
     TaskCorrupt,
@@ -65,6 +71,11 @@ redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 JOB_MARGIN = 120
 # How many ended leases a pass looks at for retention (oldest first).
 LEASE_PRUNE_BATCH = 1000
+# How long a forced stop waits for the work horse to end its step and record it before it
+# SIGKILLs the horse (the task's outcome is then unknown, as if the worker had died).
+FORCED_WAIT = 15.0
+# How often a worker removes the step logs of tasks that retention has forgotten.
+LOG_PRUNE_INTERVAL = 3600.0
 _TEXT_CLIENTS: dict[int, redis.Redis] = {}
 _TMP = tempfile.gettempdir()  # probed once here, not in every work horse
 
@@ -212,6 +223,41 @@ def job_failure(task_id: str, state: str, detail: str) -> str | None:
     return f"task {task_id}: {state}" + (f": {detail}" if detail else "")
 
 
+class HorseStop:
+    """The stop asked of this work horse: its worker was stopped and sent it SIGTERM."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+        self.installed = True
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+    def asked(self) -> int | None:
+        return self.signum
+
+
+HORSE_STOP = HorseStop()
+
+
+def stoppable(runner: StepRunner, asked: Callable[[], int | None]) -> StepRunner:
+    """``runner``, except that a step is not started once a stop was asked for: it ends at
+    once as the stop would have ended it (the loop records it as stopped, not lost)."""
+
+    def run(req: StepRequest) -> StepOutcome:
+        sig = asked()
+        if sig is None:
+            return runner(req)
+        note = f"supervisor-signal-{sig}"
+        return StepOutcome(128 + sig, "killed", note, None, "", "", limit=req.deadline)
+
+    return run
+
+
 def perform_task(namespace: str, task_id: str, attempt: int) -> str:
     """The RQ job: run one attempt of a task; returns the state it was left in, finished
     only if that is finished_verified (else raises :class:`TaskNotVerified`)."""
@@ -229,12 +275,17 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
 
         client = redis_client()
     keys = Keys(namespace)
-    runner: StepRunner = supervised_runner(client, keys)
+    config = loop_config(settings, namespace)
+    # In a work horse, a SIGTERM is a stop the user asked of its worker.
+    stops = (signal.SIGTERM,) if HORSE_STOP.installed else ()
+    runner: StepRunner = supervised_runner(client, keys, stop_signals=stops)
+    if HORSE_STOP.installed:
+        runner, config.stop_asked = stoppable(runner, HORSE_STOP.asked), HORSE_STOP.asked
     loop = TaskLoop(
         TaskStore(client, keys, retention=settings.retention),
         runner,
         envelope_consume(client, namespace, task_id, settings.request_id_ttl),
-        loop_config(settings, namespace),
+        config,
     )
     who = Runner(
         host=hostname(),
@@ -259,6 +310,12 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
             for line in lines:
                 log.warning("task %s: RQ job timeout; recovery: %s", task_id, line)
         raise
+    if state == QUEUED.value and HORSE_STOP.signum is not None:
+        # Stopped: due a recovery check now, so the next worker to start (or the recovery
+        # lead) enqueues it again at once instead of after the queued grace.
+        with contextlib.suppress(redis.RedisError):
+            store = loop.store
+            store.queued_checked([task_id], store.now() - store.queued_grace)
     reason = job_failure(task_id, state, _detail(loop.store, task_id) if state != "lost" else
                          "its claim was lost; recovery decides what it becomes")  # fmt: skip
     if reason is not None:
@@ -463,7 +520,9 @@ class OvernightWorker(Worker):
         set_dumpable(False)  # `rq worker -w ...` does not come through overnight's CLI
         super().__init__(*args, **kwargs)
         self._last_recovery: float | None = None
+        self._last_log_prune: float | None = None
         self._lead: RecoveryLead | None = None
+        self._forced = False
         self._redis = Backoff(f"worker {self.name}", log)
 
     @property
@@ -564,6 +623,24 @@ class OvernightWorker(Worker):
         if self._recovery_due():
             self._last_recovery = time.monotonic()
             self.recover_tasks()
+        last = self._last_log_prune
+        if last is None or time.monotonic() - last >= LOG_PRUNE_INTERVAL:
+            self._last_log_prune = time.monotonic()
+            self.prune_logs()
+
+    def prune_logs(self) -> list[str]:
+        """Remove this host's step logs of tasks retention has forgotten; never raises."""
+        settings = current_settings()
+        try:
+            root = task_log_root(settings, settings.namespace)
+            gone = prune_task_logs(text_client(self.connection), Keys(settings.namespace),
+                                   root, settings.retention)  # fmt: skip
+        except Exception as exc:
+            self.log.warning("step log retention failed: %s: %s", type(exc).__name__, exc)
+            return []
+        if gone:
+            self.log.info("retention: removed the step logs of %d task(s)", len(gone))
+        return gone
 
     def recover_tasks(self) -> list[str]:
         """One recovery pass for this worker's namespace if it holds the recovery lead;
@@ -609,6 +686,61 @@ class OvernightWorker(Worker):
             recover(client, self.connection, keys, settings)
         except Exception as exc:
             self.log.warning("task %s: recovery after horse death failed: %s", task_id, exc)
+
+    # --- a stop the user asked for ends the step in flight, recorded as stopped -----------
+    def handle_warm_shutdown_request(self) -> None:
+        super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
+        self._signal_horse()
+
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        self._forced = True
+        try:
+            super().request_force_stop(signum, frame)
+        finally:  # RQ ignores a second signal within a second of the first
+            self._forced = False
+
+    def kill_horse(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        # RQ's forced stop SIGKILLs the horse, which would leave its step's outcome unknown:
+        # the horse is asked again first (no grace left) and given time to record the stop.
+        if self._forced and sig == signal.SIGKILL and self.horse_pid and self._horse_ends():
+            return
+        super().kill_horse(sig)
+
+    def _signal_horse(self) -> bool:
+        """SIGTERM to the work horse (never to its process group: the step's tree is the
+        horse's to end); False if there is none."""
+        pid = self.horse_pid
+        if not pid:
+            return False
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return False
+        self.log.info("worker %s: asked work horse %s to stop its step", self.name, pid)
+        return True
+
+    def _horse_ends(self) -> bool:
+        """Ask the horse to stop at once; True once it exited (left for RQ to reap), False
+        if it did not within FORCED_WAIT seconds."""
+        pid = self.horse_pid
+        signal.alarm(0)  # RQ's horse-monitor timer must not cut this wait short
+        if not self._signal_horse():
+            return True
+        deadline = time.monotonic() + FORCED_WAIT
+        while time.monotonic() < deadline:
+            try:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:
+                return True
+            time.sleep(0.05)
+        self.log.warning("worker %s: work horse %s did not stop in %.0fs", self.name, pid,
+                         FORCED_WAIT)  # fmt: skip
+        return False
+
+    def setup_work_horse_signals(self) -> None:
+        super().setup_work_horse_signals()  # type: ignore[no-untyped-call]
+        HORSE_STOP.install()
 
     def main_work_horse(self, job: Job, queue: Queue) -> None:
         from overnight.worker.procs import set_dumpable

@@ -2,12 +2,15 @@
 
 A worker writes every step's whole output (up to ``steps.LOG_CAP_BYTES``) to one file,
 ``OVERNIGHT_STATE_DIR/task-logs/<namespace>/<task id>/turn-NNN-step-NN-<name>.log``, on its own
-host; the task's record keeps the last steps' tails and their log paths.
+host; the task's record keeps the last steps' tails and their log paths. A task's folder
+goes once retention has forgotten its record and nothing was written to it for as long
+(:func:`prune_task_logs`, run by each worker every hour).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +19,9 @@ from typing import TYPE_CHECKING, TextIO
 from overnight.coordinator.text import printable
 
 if TYPE_CHECKING:
+    import redis
+
+    from overnight.config.keys import Keys
     from overnight.config.settings import Settings
     from overnight.coordinator.taskrecord import TaskRecord
 
@@ -30,6 +36,52 @@ def task_log_root(settings: Settings, namespace: str) -> Path:
     from overnight.coordinator.workspace import state_dir
 
     return state_dir(settings) / "task-logs" / namespace
+
+
+def expired_logs(
+    last_writes: dict[str, float], live: set[str], now: float, retention: float
+) -> list[str]:
+    """Which tasks' log folders go, of ``last_writes`` (task id -> last write, unix time):
+    those whose task record is gone (not in ``live``) and not written for ``retention`` s. A
+    task that waits (paused, queued) keeps its logs as long as its record lives."""
+    return sorted(t for t, at in last_writes.items() if t not in live and now - at >= retention)
+
+
+def _last_write(folder: Path) -> float:
+    times = [folder.stat().st_mtime]
+    for path in folder.iterdir():
+        try:
+            times.append(path.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times)
+
+
+def prune_task_logs(
+    client: redis.Redis, keys: Keys, root: Path, retention: float, now: float | None = None
+) -> list[str]:
+    """Remove the log folders under ``root`` (this host's, one namespace's) that
+    :func:`expired_logs` says are over; returns their task ids."""
+    if not root.is_dir():
+        return []
+    last_writes = {}
+    for folder in root.iterdir():
+        try:
+            if folder.is_dir() and not folder.is_symlink():
+                last_writes[folder.name] = _last_write(folder)
+        except OSError:
+            continue
+    if not last_writes:
+        return []
+    names = sorted(last_writes)
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.task(name))
+    live = {name for name, there in zip(names, pipe.execute(), strict=True) if there}
+    gone = expired_logs(last_writes, live, time.time() if now is None else now, retention)
+    for name in gone:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return gone
 
 
 def task_folder(rec: TaskRecord, root: Path) -> Path:

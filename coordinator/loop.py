@@ -93,6 +93,8 @@ class LoopConfig:
     gateway_url: str | None = None
     # When the night ends (unix time; OVERNIGHT_STOP_AT): no step starts from then on.
     stop_at: float | None = field(default_factory=stop.configured)
+    # The signal of a stop asked of this process (a work horse's SIGTERM), or None.
+    stop_asked: Callable[[], int | None] = stop.not_asked
 
 
 def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
@@ -219,6 +221,9 @@ class TaskLoop:
                 return self._write(rec, ended)
             if self.config.stop_at and stop.stop_due(now, self.config.stop_at):
                 return self._write(rec, stop.stopped(cp, spec, self.config.stop_at))
+            asked = self.config.stop_asked()
+            if asked is not None:
+                return self._write(rec, stop.stop_asked(cp, spec, asked))
             if cp.step == 0 and spec.base is not None:
                 try:  # the task's worktree, made before its first step is charged
                     self._space(rec).agent_cwd(self.config.step_user)
@@ -248,6 +253,9 @@ class TaskLoop:
             log_file = str(req.log_path) if req.log_path is not None else ""
             if by_stop is not None and outcome.status == "expired" and self.config.stop_at:
                 return self._write(rec, stop.stopped(cp, spec, self.config.stop_at, outcome))
+            asked = self.config.stop_asked()
+            if asked is not None and stop.ended_by_stop(outcome, asked):
+                return self._write(rec, stop.stop_asked(cp, spec, asked, outcome))
             nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline, log=log_file)
             if nxt.state == State.AGENT_FAILED:
                 self._uncharge(rec, request)

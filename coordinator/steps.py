@@ -161,10 +161,16 @@ def start_problem(argv: list[str], cwd: str, path: str | None) -> str | None:
     return None
 
 
-def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = None) -> StepRunner:
+def supervised_runner(
+    client: redis.Redis,
+    keys: Keys,
+    user: StepUser | None = None,
+    stop_signals: tuple[int, ...] = (),
+) -> StepRunner:
     """Run each step under a lease, in this process (``worker.supervisor``), as ``user``
     (default: the step user the settings name, :func:`worker.stepuser.configured`; agent
-    steps and verifier rules alike)."""
+    steps and verifier rules alike). Each of ``stop_signals`` (a work horse's SIGTERM: a
+    stop asked for) ends a running step as SIGALRM does (:func:`alarm_ends_step`)."""
     as_user = user if user is not None else configured()
 
     def run(req: StepRequest) -> StepOutcome:
@@ -187,7 +193,7 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
             home_files=req.home_files,
         )
         try:
-            with alarm_ends_step() as alarm:
+            with alarm_ends_step(stop_signals) as alarm:
                 result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)
         finally:
             capture.close()
@@ -207,28 +213,37 @@ def supervised_runner(client: redis.Redis, keys: Keys, user: StepUser | None = N
 
 
 @contextlib.contextmanager
-def alarm_ends_step() -> Iterator[SignalCatcher | None]:
-    """While a step runs, a SIGALRM (RQ's job timeout in a work horse) ends it through its
-    lease, tree and all, like a SIGTERM to ``overnight supervise``; the handler that was in
-    place (RQ's, which raises its timeout exception) runs once the step is over.
+def alarm_ends_step(also: tuple[int, ...] = ()) -> Iterator[SignalCatcher | None]:
+    """While a step runs, a SIGALRM (RQ's job timeout in a work horse), and each signal of
+    ``also`` (a stop asked of the work horse), ends it through its lease, tree and all, like a
+    SIGTERM to ``overnight supervise``; the handler that was in place for each signal caught
+    runs once the step is over (SIGALRM's last: RQ's raises its timeout exception).
 
-    Without a Python SIGALRM handler in place, or off the main thread, this does nothing.
+    A signal without a Python handler in place is left alone; off the main thread, this does
+    nothing.
     """
-    previous = signal.getsignal(signal.SIGALRM)
-    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    wanted = {sig: signal.getsignal(sig) for sig in (*also, signal.SIGALRM)}
+    previous = {sig: handler for sig, handler in wanted.items() if callable(handler)}
+    if not previous:
         yield None
         return
     catcher = SignalCatcher()
     old_fd = signal.set_wakeup_fd(catcher.write_fd, warn_on_full_buffer=False)
-    signal.signal(signal.SIGALRM, lambda signum, _frame: catcher.pending.append(signum))
+    for sig in previous:
+        signal.signal(sig, lambda signum, _frame: catcher.pending.append(signum))
     try:
         yield catcher
     finally:
-        signal.signal(signal.SIGALRM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         signal.set_wakeup_fd(old_fd)
         catcher.close()
-        if signal.SIGALRM in catcher.pending:
-            previous(signal.SIGALRM, None)
+        for sig, handler in previous.items():
+            if sig in catcher.pending:
+                handler(sig, None)
 
 
 def plain_runner(req: StepRequest) -> StepOutcome:

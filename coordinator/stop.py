@@ -1,17 +1,24 @@
-"""The night's end as the turn loop sees it (``up --until``, ``OVERNIGHT_STOP_AT``): pure
-rules, no clock, no Redis.
+"""A stop the user asked for, as the turn loop sees it: pure rules, no clock, no Redis.
 
-From the stop time no step starts; a step running then gets the grace to finish its turn
-(its lease deadline is cut to ``stop + grace``), and one the cut ends is recorded as ended by
-the stop. Either way the task goes back to ``queued`` from its checkpoint, claim and lease
-released, and the next night runs the same step again (under the same request id, so it is
-not charged twice).
+The night's end (``up --until``, ``OVERNIGHT_STOP_AT``): from the stop time no step starts;
+a step running then gets the grace to finish its turn (its lease deadline is cut to
+``stop + grace``), and one the cut ends is recorded as ended by the stop.
+
+A stop asked for by a signal (``up`` got SIGTERM or Ctrl-C, or a worker was stopped, warm or
+forced): the work horse gets SIGTERM; a step in flight is ended through its lease (its tree
+gets SIGTERM and the grace; a second signal skips the rest of the grace) and recorded as
+ended by the stop; no step starts after it.
+
+Either way the task goes back to ``queued`` from its checkpoint, claim and lease released,
+and the same step runs again (under the same request id, so it is not charged twice); it is
+not a lost step: ``lost_leases`` is not counted, ``on_unknown`` does not apply.
 """
 
 from __future__ import annotations
 
+import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from overnight.coordinator.states import QUEUED
 from overnight.coordinator.taskrecord import Checkpoint, Event, Next
@@ -51,13 +58,60 @@ def stopped(
     """The task goes back to ``queued`` because the night ended at ``stop_at``: before a step
     (``out`` None), or with the step ``cp`` has in flight ended by the stop (``out``), which is
     recorded as killed by the stop and runs again from the same checkpoint next night."""
+    when = f"night ended at {_when(stop_at)}"
+    return _requeued(cp, spec, out, f"the {when}", when, "next night", {"stop_at": stop_at})
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def not_asked() -> int | None:
+    """No stop is ever asked for (a loop outside a work horse)."""
+    return None
+
+
+def ended_by_stop(out: StepOutcome, signum: int) -> bool:
+    """Whether the step that ended as ``out`` was ended by the stop signal ``signum``: its
+    supervisor got that signal and ended the step's tree. A step that ended on its own
+    meanwhile (an exit, its gap, its deadline) is judged as usual."""
+    return out.note == f"supervisor-signal-{signum}"
+
+
+def stop_asked(
+    cp: Checkpoint,
+    spec: TaskSpec,
+    signum: int,
+    out: StepOutcome | None = None,
+) -> Next:
+    """The task goes back to ``queued`` because a stop was asked for (``signum`` reached its
+    work horse: ``up`` or its worker was stopped): before a step (``out`` None), or with the
+    step ``cp`` has in flight ended by the stop (``out``), recorded as killed by the stop; the
+    same step runs again from the checkpoint when a worker takes the task up again."""
+    said = f"overnight was stopped ({signal_name(signum)})"
+    data = {"signal": signum}
+    return _requeued(cp, spec, out, said, said, "once a worker takes the task up", data)
+
+
+def _requeued(
+    cp: Checkpoint,
+    spec: TaskSpec,
+    out: StepOutcome | None,
+    why: str,
+    short: str,
+    again: str,
+    extra: dict[str, Any],
+) -> Next:
     flight = cp.in_flight
     nxt = cp.model_copy(deep=True)
     nxt.in_flight = None
     events = []
     if out is not None and flight is not None:
         what = f"turn {flight.turn} {'' if flight.step == 0 else 'rule '}{flight.name}"
-        said = f"{what} stopped: the night ended at {_when(stop_at)}"
+        said = f"{what} stopped: {why}"
         nxt.endings = [*nxt.endings, said][-20:]
         data = {
             "step": flight.name,
@@ -70,15 +124,12 @@ def stopped(
             "stopped": True,
         }
         events.append(Event("step_finished", data, out.lease_id))
-        detail = f"night ended at {_when(stop_at)} during the {what} step; it runs again next night"
+        detail = f"{short} during the {what} step; it runs again {again}"
     else:
         step = "agent" if cp.step == 0 else spec.verifier[cp.step - 1].name
-        detail = f"night ended at {_when(stop_at)}; resumes at turn {cp.turn} ({step}) next night"
-    events.append(
-        Event(
-            TASK_STOPPED, {"turn": cp.turn, "step": cp.step, "detail": detail, "stop_at": stop_at}
-        )
-    )
+        detail = f"{short}; resumes at turn {cp.turn} ({step}) {again}"
+    body = {"turn": cp.turn, "step": cp.step, "detail": detail, **extra}
+    events.append(Event(TASK_STOPPED, body))
     return Next(nxt, QUEUED, detail, tuple(events))
 
 

@@ -1,16 +1,24 @@
 """``overnight up``: Redis (embedded if none answers), a reaper, N workers and the coordinator
-loop on one machine, with live progress; Ctrl-C stops everything it started."""
+loop on one machine, with live progress; Ctrl-C stops everything it started.
+
+A stop (Ctrl-C, SIGTERM) is a warm stop of each worker: a running step is ended through its
+lease (its tree gets SIGTERM and the grace) and its task goes back to ``queued`` from its
+checkpoint; a worker still busy after the grace, or a second Ctrl-C, is a forced stop (the
+rest of the grace is skipped, the stop still recorded). See :mod:`coordinator.stop`."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -35,6 +43,10 @@ log = logging.getLogger("overnight.up")
 INSTANCE_TTL_MS = 15_000
 REFRESH_SEC = 0.5
 MAINTAIN_SEC = 2.0
+# How long past the grace a warm stop of the workers may take before it is forced, and how
+# long a forced one may take (the worker's own bound, dispatch.FORCED_WAIT, plus a margin).
+WARM_MARGIN = 2.0
+FORCED_MARGIN = 20.0
 
 
 @dataclass
@@ -52,19 +64,53 @@ class UpOptions:
 
 
 class StopRequested:
-    """SIGINT/SIGTERM set the event; a second signal gives up on a gentle stop."""
+    """SIGINT/SIGTERM set the event; a second signal gives up on a gentle stop (``again``)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum = 0
+        self.again: Callable[[], object] | None = None
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if self.event.is_set() and self.again is not None:
+            self.again()
         self.signum = signum
         self.event.set()
+
+
+def _signal_workers(stack: Stack) -> list[subprocess.Popen[bytes]]:
+    """SIGTERM to each live worker of ``stack`` (a first one is a warm stop, a second one a
+    forced stop); returns them."""
+    live = [p for n, p in stack.procs if n.startswith("worker") and p.poll() is None]
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # our unreaped child: its pid is not reused
+    return live
+
+
+def _all_exit(procs: list[subprocess.Popen[bytes]], wait: float) -> bool:
+    deadline = time.monotonic() + wait
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+
+
+def stop_workers(stack: Stack, grace: float) -> None:
+    """Stop the workers so that each running step is ended by the stop and recorded as such
+    (its task back to ``queued``), not left to lapse as an unknown outcome: a warm stop, then
+    a forced one for a worker not gone ``grace + WARM_MARGIN`` seconds later."""
+    live = _signal_workers(stack)
+    if not live or _all_exit(live, grace + WARM_MARGIN):
+        return
+    log.warning("workers still busy %.0fs after the stop; forcing it", grace + WARM_MARGIN)
+    _all_exit(_signal_workers(stack), FORCED_MARGIN)
 
 
 def _lock_state_dir(state_dir: Path) -> TextIO:
@@ -182,6 +228,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     # Orphans of what the stack starts are re-parented here, so the final sweep reaps them.
     set_child_subreaper()
     stack = Stack(env=dict(os.environ), state_dir=opts.state_dir, grace=settings.grace)
+    stopper.again = lambda: _signal_workers(stack)  # a second Ctrl-C forces the workers' stop
     try:
         # OVERNIGHT_REDIS_URL (environment or .env) or a private one: never a server that
         # merely answers on the default address, which may be anyone's.
@@ -194,6 +241,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
             where = "OVERNIGHT_REDIS_URL"
         return _run(opts, settings, stack, stopper, connect, out, where)
     finally:
+        stop_workers(stack, settings.grace)
         leftovers = stack.stop()
         if leftovers:
             log.warning("killed %d leftover processes: %s", len(leftovers), leftovers)
@@ -260,6 +308,8 @@ def _run(
         )
         store = TaskStore(client, keys)
         _watch(opts, settings, stack, stopper, client, rq_conn, keys, store, ids, lock, out, night)
+        if stopper.signum:  # the steps it ends go back to queued before the states are shown
+            stop_workers(stack, settings.grace)
         records = [r for r in (store.get(i) for i in ids) if r is not None]
         render_plain(records, out, envelope_lines(client, keys.namespace, records))
         states = {r.id: r.state.value for r in records}
