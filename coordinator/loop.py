@@ -22,7 +22,7 @@ from pathlib import Path
 import redis
 
 from overnight.config.spawn import python_module
-from overnight.coordinator import model_step, stop
+from overnight.coordinator import agents, model_step, stop
 from overnight.coordinator.judge import (
     PROTECTED_RULE,
     agent_failed,
@@ -89,6 +89,10 @@ class LoopConfig:
     step_user: StepUser | None = field(default_factory=stepuser.configured)
     # OVERNIGHT_MODEL_* for the built-in model step only (command agents never see the key).
     model_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # The model an agent preset asks for when its task names none, by wire format.
+    preset_models: dict[str, str] = field(
+        default_factory=lambda: {"openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5"}
+    )
     # The gateway agent steps are pointed at (None: no gateway, no token for the step).
     gateway_url: str | None = None
     # When the night ends (unix time; OVERNIGHT_STOP_AT): no step starts from then on.
@@ -231,8 +235,7 @@ class TaskLoop:
                     return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             unstartable = self._unstartable(spec) if cp.step == 0 else None
             if unstartable is not None:  # ends the task before its call is charged
-                return self._write(rec, agent_failed(cp, spec.agent[0] if spec.agent else "",
-                                                     unstartable))  # fmt: skip
+                return self._write(rec, agent_failed(cp, spec.command(), unstartable))
             request = request_id(rec.id, rec.run, cp)
             started = begin(cp, spec, request, now)
             try:
@@ -250,6 +253,8 @@ class TaskLoop:
                 outcome, cp = self._run_step(rec, cp, req, request)
             except (GitError, OSError, WorkspaceError) as exc:
                 return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
+            if isinstance(req.on_line, agents.Reader):
+                outcome = replace(outcome, said=req.on_line.said())
             log_file = str(req.log_path) if req.log_path is not None else ""
             if by_stop is not None and outcome.status == "expired" and self.config.stop_at:
                 return self._write(rec, stop.stopped(cp, spec, self.config.stop_at, outcome))
@@ -345,6 +350,18 @@ class TaskLoop:
         if not spec.agent:
             return None
         path = spec.env.get("PATH") or os.environ.get("PATH") or stepenv.DEFAULT_PATH
+        if isinstance(spec.agent, str):
+            preset = agents.get(spec.agent)
+            if preset is None:
+                return f"no agent preset {spec.agent!r}"
+            if self.config.gateway_url is None:
+                return (f"the {preset.name} preset talks to a model only through the gateway, "
+                        "and none is configured (set OVERNIGHT_MODEL_URL or "
+                        "OVERNIGHT_ANTHROPIC_URL)")  # fmt: skip
+            if start_problem([preset.program], spec.workdir, path) is not None:
+                return (f"the {preset.name} preset needs {preset.program!r} on PATH, which it "
+                        f"is not (install: {preset.install})")  # fmt: skip
+            return None
         return start_problem(spec.agent, spec.workdir, path)
 
     def _uncharge(self, rec: TaskRecord, request: str) -> None:
@@ -389,10 +406,24 @@ class TaskLoop:
         folder = stepuser.task_folder(self.config.prompt_dir, rec.id, self.config.step_user)
         prompt_file = stepuser.write_file(folder / "prompt.txt", prompt)
         short = _clip(prompt)
-        argv = [a.replace("{prompt}", short) for a in spec.agent] if spec.agent else MODEL_STEP
         env = {**base, "OVERNIGHT_PROMPT": short, "OVERNIGHT_PROMPT_FILE": str(prompt_file)}
         stdin = None
-        if spec.agent is None:  # the model settings reach the built-in step on stdin only
+        home_files: dict[str, str] | None = None
+        reader: agents.Reader | None = None
+        if isinstance(spec.agent, str):
+            preset = agents.get(spec.agent)
+            assert preset is not None  # the task file names only known presets
+            model = spec.model or self.config.preset_models.get(preset.wire, "")
+            ctx = agents.Context(prompt=short, prompt_file=str(prompt_file), model=model,
+                                 workdir=cwd, turn=cp.turn,
+                                 gateway_url=self.config.gateway_url or "")  # fmt: skip
+            launch = preset.launch(ctx)
+            argv, home_files, reader = launch.argv, launch.home_files, preset.reader()
+            env.update(launch.env)
+        elif spec.agent:
+            argv = [a.replace("{prompt}", short) for a in spec.agent]
+        else:  # the model settings reach the built-in step on stdin only
+            argv = MODEL_STEP
             env[model_step.SETTINGS_VAR] = "stdin"
             stdin = model_step.settings_line(self.config.model_env, self.config.gateway_url)
         return StepRequest(
@@ -407,6 +438,8 @@ class TaskLoop:
             stdin_data=stdin,
             log_path=self._log_path(rec, cp, "agent"),
             grant=self._grant(rec),
+            home_files=home_files,
+            on_line=reader,
         )
 
     def _grant(self, rec: TaskRecord) -> Grant | None:

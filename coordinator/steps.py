@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from overnight.coordinator.agents import Said
 from overnight.worker.gateway_grant import Grant
 from overnight.worker.signals import SignalCatcher
 from overnight.worker.stepenv import make_home, remove_home, step_environment
@@ -71,6 +72,7 @@ class StepOutcome:
     digest: str
     limit: float = 0.0  # the step's own deadline, in seconds
     survivors: int = 0  # processes of the step's tree still alive after its lease ended
+    said: Said | None = None  # an agent preset's CLI's own account of the step
 
     @property
     def passed(self) -> bool:

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -153,12 +154,15 @@ def installed(
     path = shutil.which(preset.program, path=path_var)
     version = None
     if path is not None:
-        try:
-            done = subprocess.run([path, *preset.version_args], capture_output=True,
-                                  stdin=subprocess.DEVNULL, timeout=timeout, check=False,
-                                  env={**os.environ, "NO_COLOR": "1"})  # fmt: skip
-            text = (done.stdout or done.stderr).decode("utf-8", "replace").strip()
-            version = one_line(text.splitlines()[0] if text else "", 80) or None
-        except (OSError, subprocess.TimeoutExpired):
-            version = None
+        # A throwaway HOME: some CLIs write their config folders on any start.
+        with tempfile.TemporaryDirectory(prefix="overnight-agents-") as home:
+            try:
+                env = {**os.environ, "NO_COLOR": "1", "HOME": home}
+                done = subprocess.run([path, *preset.version_args], capture_output=True,
+                                      stdin=subprocess.DEVNULL, timeout=timeout, check=False,
+                                      env=env)  # fmt: skip
+                text = (done.stdout or done.stderr).decode("utf-8", "replace").strip()
+                version = one_line(text.splitlines()[0] if text else "", 80) or None
+            except (OSError, subprocess.TimeoutExpired):
+                version = None
     return Installed(preset.name, preset.program, path, version, preset.install, preset.wire)
