@@ -206,3 +206,33 @@ def test_a_preset_without_a_gateway_fails_before_any_call(
     [rec] = store.all()
     assert (rec.state, rec.calls_used) == ("agent_failed", 0)
     assert "only through the gateway, and none is configured" in rec.detail
+
+
+def test_overnight_agents_lists_every_preset_and_what_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from overnight.coordinator.cli_agents import agents_command
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_codex = bin_dir / "codex"
+    fake_codex.write_text('#!/bin/sh\necho "codex-cli 9.9.9 (HOME=$HOME)"\n')
+    fake_codex.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    listed = CliRunner().invoke(agents_command, ["--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = {row["name"]: row for row in json.loads(listed.output)}
+    assert sorted(rows) == ["aider", "claude", "codex", "mini-swe-agent"]
+    assert rows["codex"]["installed"] is True and rows["codex"]["path"] == str(fake_codex)
+    assert rows["codex"]["version"].startswith("codex-cli 9.9.9 (HOME=/tmp")  # not the user's
+    for name in ("aider", "claude", "mini-swe-agent"):
+        assert (rows[name]["installed"], rows[name]["path"]) == (False, None)
+        assert rows[name]["install"]
+    plain = CliRunner().invoke(agents_command, [])
+    assert plain.exit_code == 0
+    lines = plain.output.splitlines()
+    assert any(line.startswith("codex ") and "codex-cli 9.9.9" in line for line in lines)
+    assert any(line.startswith("claude ") and "not installed" in line for line in lines)
+    assert sum("install: " in line for line in lines) == 3
