@@ -407,6 +407,8 @@ class TaskLoop:
         prompt_file = stepuser.write_file(folder / "prompt.txt", prompt)
         short = _clip(prompt)
         env = {**base, "OVERNIGHT_PROMPT": short, "OVERNIGHT_PROMPT_FILE": str(prompt_file)}
+        if spec.base is not None:
+            env.update(self._space(rec).agent_env())
         stdin = None
         home_files: dict[str, str] | None = None
         reader: agents.Reader | None = None

@@ -88,6 +88,16 @@ class TaskSpace:
                 _chown_tree(path, user)
         return os.path.join(self.tree.path, self.base.subdir)
 
+    def agent_env(self) -> dict[str, str]:
+        """Variables for the agent step: git trusts the task's worktree, whose repository
+        folder belongs to overnight, not to the step user (else every git command the agent
+        runs there fails with "dubious ownership"). Command-scope config, which git honours
+        for safe.directory, unlike a repository's own."""
+        if self.tree is None:
+            return {}
+        return {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+                "GIT_CONFIG_VALUE_0": self.tree.path}  # fmt: skip
+
     def lock(self, lease: str) -> None:
         if self.tree is not None:
             workspace.lock(self.tree, workspace.lock_reason(self.task_id, self.host, lease))

@@ -83,7 +83,7 @@ def test_launch_is_headless_with_the_tasks_model_everywhere() -> None:
     assert env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == "claude-x"
     # The gateway and its token come from the step's environment, never from the preset.
     assert not {"ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY"} & set(env)
-    assert launch.home_files == {".gitconfig": "[safe]\n\tdirectory = *\n"}
+    assert launch.home_files == {}
 
 
 def test_the_install_script_pins_the_version_the_preset_names() -> None:

@@ -323,3 +323,34 @@ def test_a_workdir_the_step_user_cannot_write_stops_the_step_with_one_line(
     assert result.exit_code == 126 and result.returncode is None
     assert len(lines) == 1 and b"the step user cannot use the workdir" in lines[0], lines
     assert not (tmp_path / "x").exists()
+
+
+@ROOT_ONLY
+def test_the_step_user_can_use_git_in_its_task_worktree(
+    env: dict[str, str], stage: Path, step_user: StepUser, namespace: str
+) -> None:
+    """The task's worktree belongs to the step user but its repository to overnight: the
+    agent's git commands still work there (safe.directory for that worktree only)."""
+    tenv = {**env, "OVERNIGHT_STEP_USER": step_user.name, "OVERNIGHT_QUEUE": namespace,
+            "OVERNIGHT_GRACE": "0.5", "OVERNIGHT_STATE_DIR": str(stage / "state")}  # fmt: skip
+    agent = ["sh", "-c", "git log -1 --format=%s > seen.txt && git status --short >> seen.txt"]
+    path = task_file(stage, "gitty", agent, [["sh", "check.sh"]])
+    repo = stage / "gitty"
+    (repo / "check.sh").write_text("grep -q 'the base' seen.txt\n")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    for args in (["init", "-q", "."], ["add", "."], ["commit", "-qm", "the base"]):
+        subprocess.run([*git, *args], cwd=repo, check=True, timeout=30)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([OVERNIGHT, *args], env=tenv, capture_output=True, text=True,
+                              timeout=150)  # fmt: skip
+
+    assert cli("envelope", "reset", "10").returncode == 0
+    submitted = cli("submit", str(path))
+    assert submitted.returncode == 0, submitted.stderr
+    worker = cli("worker", "--burst")
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    state = json.loads(cli("status", "gitty").stdout)
+    assert state["state"] == "finished_verified", json.dumps(state)[-1500:]
+    shown = cli("diff", "gitty")
+    assert "+the base" in shown.stdout, shown.stdout + shown.stderr

@@ -36,15 +36,12 @@ ENV = {
     "LITELLM_LOCAL_MODEL_COST_MAP": "True",
 }
 
-# The step's own git settings (its scratch HOME's): without an identity aider writes a made-up
-# one into the repository's config (the step user may not: aider dies), though it commits
-# nothing; and the step user's git refuses a repository overnight owns ("dubious ownership"),
-# which aider takes for no .gitignore to keep its files out of overnight's commit.
+# The step's own git identity (its scratch HOME's): without one aider writes a made-up one
+# into the repository's config (the step user may not: aider dies), though it commits nothing.
+# (The loop makes git trust the task's worktree for the step user: safe.directory.)
 GITCONFIG = """[user]
 \tname = aider (overnight step)
 \temail = aider@overnight.invalid
-[safe]
-\tdirectory = *
 """
 
 HOME_FILES = {

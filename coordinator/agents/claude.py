@@ -43,12 +43,6 @@ MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFA
               "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
 
 
-# As the step user, git refuses the task's repository, which overnight owns ("dubious
-# ownership"): every git command Claude Code or its Bash tool runs would fail. The scratch
-# HOME's git config, the step's own, trusts it.
-GITCONFIG = "[safe]\n\tdirectory = *\n"
-
-
 def launch(ctx: Context) -> Launch:
     # The loop keeps the prompt within one argv string (a longer one names its file); "--"
     # lets a prompt start with a dash.
@@ -56,7 +50,7 @@ def launch(ctx: Context) -> Launch:
             "--dangerously-skip-permissions", "--no-session-persistence",
             "--model", ctx.model, "--", ctx.prompt]  # fmt: skip
     env = {**ENV, **dict.fromkeys(MODEL_VARS, ctx.model)}
-    return Launch(argv=argv, env=env, home_files={".gitconfig": GITCONFIG})
+    return Launch(argv=argv, env=env)
 
 
 class ClaudeReader(JsonLinesReader):
