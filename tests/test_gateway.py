@@ -243,6 +243,8 @@ def test_refusal_is_a_429_in_each_format_and_sticks(gw: Gw) -> None:
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model="m", messages=msgs)
     assert "envelope default" in str(refused.value)
+    # The SDKs (and the agent CLIs built on them) are told not to ask again.
+    assert refused.value.response.headers["x-should-retry"] == "false"
     for _ in range(5):  # a retry loop burns nothing
         with pytest.raises(anthropic.RateLimitError):
             gw.anthropic(token).messages.create(model="m", max_tokens=5, messages=msgs)

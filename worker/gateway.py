@@ -131,7 +131,7 @@ class Gateway:
         upstream = self.config.anthropic if fam == "anthropic" else self.config.openai
         if upstream.base is None:
             which = "OVERNIGHT_ANTHROPIC_URL" if fam == "anthropic" else "OVERNIGHT_MODEL_URL"
-            return _error(fam, 502, f"no upstream configured ({which} is not set)")
+            return _error(fam, 502, f"no upstream configured ({which} is not set)", retry=False)
         body = await _read_body(request, self.config.max_body)
         if body is None:
             return _error(fam, 413, f"request body over {self.config.max_body} bytes")
@@ -427,9 +427,14 @@ def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in resp.headers.items() if k.lower() not in DROP_RESPONSE}
 
 
-def _error(fam: wire.Family, status: int, message: str) -> web.Response:
+def _error(fam: wire.Family, status: int, message: str, retry: bool | None = None) -> web.Response:
+    """The format's error; ``x-should-retry`` (which both official SDKs, and the CLIs built
+    on them, obey) says whether asking again can help: by default only for a 5xx (refunded,
+    so a retry costs nothing), never for a refusal, a bad request or a bad token."""
+    again = status >= 500 if retry is None else retry
     return web.Response(status=status, body=wire.error_body(fam, status, message),
-                        content_type="application/json")  # fmt: skip
+                        content_type="application/json",
+                        headers={"x-should-retry": "true" if again else "false"})  # fmt: skip
 
 
 def _reason(exc: BaseException) -> str:
