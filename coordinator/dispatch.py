@@ -706,6 +706,11 @@ class OvernightWorker(Worker):
             return
         super().kill_horse(sig)
 
+    def fork_work_horse(self, job: Job, queue: Queue) -> None:
+        super().fork_work_horse(job, queue)
+        if self._stop_requested:  # the stop came as this job was taken: it ends at once
+            self._signal_horse()
+
     def _signal_horse(self) -> bool:
         """SIGTERM to the work horse (never to its process group: the step's tree is the
         horse's to end); False if there is none."""
