@@ -2,8 +2,9 @@
 
 Every process the stack starts carries ``OVERNIGHT_UP_ID`` in its environment, and so does
 everything they start (workers, work horses, supervised steps). Stopping sends SIGTERM to
-the workers first (idle ones exit; a busy one is SIGKILLed after the grace, its horse dies
-with it and the step's lease is left to lapse and be reaped), then stops the reaper, then
+the workers first (idle ones exit; a busy one's horse ends its step through the lease and
+re-queues the task, ``up`` forcing the stop if it takes longer than the grace), then stops
+the reaper, then
 sweeps the process table for anything still tagged, and last stops the embedded Redis.
 """
 
