@@ -92,9 +92,11 @@ def _fill(client: redis.Redis) -> int:
     return n
 
 
-def _hold_full(client: redis.Redis, refusals: int) -> None:
-    """Fill Redis, keep it full until it refused ``refusals`` probes (about 50 ms apart),
-    then free it."""
+def _hold_full(
+    client: redis.Redis, refusals: int, until: Callable[[], bool] = lambda: True
+) -> None:
+    """Fill Redis, keep it full until it refused ``refusals`` probes (about 50 ms apart) and
+    ``until()`` holds, then free it."""
     _fill(client)
     seen = {"n": 0}
 
@@ -103,10 +105,10 @@ def _hold_full(client: redis.Redis, refusals: int) -> None:
             client.set("probe", b"x")
         except redis.exceptions.OutOfMemoryError:
             seen["n"] += 1
-        else:  # something freed memory meanwhile: fill again
+        else:  # something freed memory meanwhile (a key expired): fill again
             client.delete("probe")
             _fill(client)
-        return seen["n"] >= refusals
+        return seen["n"] >= refusals and until()
 
     wait_for(refused_enough, timeout=60, interval=0.05)
     for key in client.scan_iter("filler:*", count=1000):
@@ -147,8 +149,13 @@ def test_worker_and_reaper_ride_out_a_full_redis(
     wait_for(lambda: b"Listening on" in (logs / "worker.log").read_bytes(), timeout=30)
 
     # 1. Full while idle: the worker's heartbeat and recovery pass and the reaper's pass
-    #    meet the refusal.
-    _hold_full(client, refusals=40)
+    #    meet the refusal (held until both said so: a write of theirs may slip through
+    #    while the test refills after a key expired).
+    def both_refused() -> bool:
+        return all(b"Redis unavailable (OutOfMemoryError" in (logs / f"{name}.log").read_bytes()
+                   for name in ("worker", "reaper"))  # fmt: skip
+
+    _hold_full(client, refusals=40, until=both_refused)
     assert all(p.poll() is None for p in procs), "a process died while Redis was full"
     # 2. Full while tasks run and wait in the queue.
     ids = [f"full-{i}" for i in range(6)]
