@@ -3,6 +3,7 @@ folder whose files are named like the repository's layers."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -71,6 +72,11 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
     assert {n.split("/")[0] for n in names} == {"overnight", dist_info}
     assert top_level == ["overnight"]
     assert any(n.startswith("overnight/coordinator/examples/") for n in names)
+    # Every module of every layer (subpackages too: the package list is explicit).
+    root = Path(__file__).resolve().parent.parent
+    for layer in ("config", "worker", "coordinator"):
+        for module in (root / layer).rglob("*.py"):
+            assert f"overnight/{module.relative_to(root)}" in names, module
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
@@ -107,3 +113,11 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "shadowed" not in demo.stdout + demo.stderr
     assert demo.stdout.count("as expected") == 4, demo.stdout
+    listed = subprocess.run(
+        [str(venv / "bin" / "overnight"), "agents", "--json"],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert [row["name"] for row in json.loads(listed.stdout)] == [
+        "aider", "claude", "codex", "mini-swe-agent"
+    ]  # fmt: skip
