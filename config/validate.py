@@ -160,15 +160,35 @@ def host_id(value: object) -> str | None:
     return value
 
 
-def this_host(environ: Mapping[str, str] | None = None) -> str:
-    """This host's id: ``OVERNIGHT_HOST_ID`` if set (and valid), else the host name. A bad
-    value falls back to the host name here; ``Settings`` reports it (exit 78)."""
-    raw = (os.environ if environ is None else environ).get(ENV_PREFIX + "HOST_ID")
+HOST_VAR = ENV_PREFIX + "HOST_ID"
+
+
+def this_host(environ: Mapping[str, str] | None = None, env_file: str | None = ".env") -> str:
+    """This host's id: ``OVERNIGHT_HOST_ID`` if set (and valid), else the host name. Read as
+    ``Settings`` reads it: the environment first, then ``env_file`` (``.env`` in the working
+    folder), any case, empty meaning unset. A bad value falls back to the host name here;
+    ``Settings`` reports it (exit 78)."""
+    raw = _setting(os.environ if environ is None else environ, HOST_VAR)
+    if raw is None and env_file is not None and os.path.isfile(env_file):
+        # The parser Settings reads .env with; imported only when there is one (supervise's
+        # fast path has no .env, or it already defers to Settings).
+        from dotenv import dotenv_values
+
+        raw = _setting(dotenv_values(env_file), HOST_VAR)
     try:
         chosen = host_id(raw)
     except ValueError:
         chosen = None
     return chosen or socket.gethostname()
+
+
+def _setting(source: Mapping[str, str | None], variable: str) -> str | None:
+    """``variable``'s value in ``source`` as ``Settings`` matches names (any case); None
+    when unset or empty."""
+    value = source.get(variable)
+    if value is None:
+        value = next((v for k, v in source.items() if k.upper() == variable), None)
+    return value or None
 
 
 USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
