@@ -1,20 +1,25 @@
 """Helpers shared by test modules (test modules never import from each other or from conftest):
 polling with a deadline, process checks, the installed command, running ``overnight
-supervise``, a stand-in model server and task files."""
+supervise``, a stand-in model server, the scripted upstream and the gateway, task files and
+a burst worker's run of one."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 T = TypeVar("T")
 
@@ -155,6 +160,71 @@ class Model:
         self.server.server_close()
 
 
+# --- the scripted upstream and the gateway ------------------------------------------------
+
+UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
+
+
+@contextlib.contextmanager
+def scripted_upstream(*args: str) -> Iterator[str]:
+    """Run tests/scripted_upstream.py with ARGS (such as ``--script FILE``); yields its URL."""
+    proc = subprocess.Popen([sys.executable, str(UPSTREAM), *args], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        yield f"http://127.0.0.1:{proc.stdout.readline().split()[1]}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    """The scripted upstream, one per test module (import it there to use it)."""
+    with scripted_upstream() as url:
+        yield url
+
+
+def seen(url: str) -> list[dict[str, Any]]:
+    """Every request the scripted upstream at ``url`` got, in order."""
+    with urllib.request.urlopen(f"{url}/_seen", timeout=10) as answer:
+        got: list[dict[str, Any]] = json.load(answer)
+    return got
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def run_gateway(env: dict[str, str], folder: Path) -> Iterator[str]:
+    """Run ``overnight gateway`` on a free port, its log in ``folder``; yields its URL."""
+    log = folder / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([OVERNIGHT, "gateway", "--port", "0"], env=env, stderr=out)
+
+    def listening() -> str:
+        text = log.read_text()
+        return text.split("listening on ")[1].split()[0] if "listening on " in text else ""
+
+    try:
+        yield wait_for(listening, timeout=20)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def worker_env(env: dict[str, str], **more: str) -> dict[str, str]:
+    """``env`` for an ``overnight worker`` of this test's namespace, quick to give up on a
+    step, with a gateway of its own on a free port; plus MORE (such as the model's URL)."""
+    return {**env, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"], "OVERNIGHT_GRACE": "0.5",
+            "OVERNIGHT_GATEWAY_PORT": str(free_port()), **more}  # fmt: skip
+
+
 # --- task files ----------------------------------------------------------------------------
 
 
@@ -175,6 +245,23 @@ def task_file(
     path = directory / f"{name}.toml"
     path.write_text("\n".join([*lines[:2], f'workdir = "{name}"', *lines[2:]]) + "\n")
     return path
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def run_burst(env: dict[str, str], path: Path, name: str) -> dict[str, Any]:
+    """Submit the task file at ``path``, run one burst worker, return task ``name``'s status."""
+    submitted = cli(env, "submit", str(path))
+    assert submitted.returncode == 0, submitted.stderr
+    worked = cli(env, "worker", "--burst")
+    assert worked.returncode == 0, worked.stderr[-3000:]
+    shown = cli(env, "status", name)
+    assert shown.returncode == 0, shown.stderr
+    data: dict[str, Any] = json.loads(shown.stdout)
+    return data
 
 
 # --- folders that would shadow our modules ----------------------------------------------

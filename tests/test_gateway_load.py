@@ -19,9 +19,9 @@ from overnight.worker.envelope import CallEnvelope
 from overnight.worker.gateway_grant import Grant, mint
 from overnight.worker.lease import Leases
 from overnight.worker.receipts import read
-from tests.helpers import OVERNIGHT, wait_for
+from tests.helpers import run_gateway, wait_for
+from tests.helpers import upstream as upstream  # a fixture
 
-UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
 PROCS, REQUESTS = 8, 100
 TOKENS = 11 + 7
 
@@ -49,31 +49,10 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    yield f"http://127.0.0.1:{line.split()[1]}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
-
-
 @pytest.fixture
 def gateway(env: dict[str, str], upstream: str, tmp_path: Path) -> Iterator[str]:
-    env = {**env, "OVERNIGHT_MODEL_URL": upstream}
-    log = tmp_path / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([OVERNIGHT, "gateway", "--port", "0"], env=env, stderr=out)
-
-    def listening() -> str | None:
-        text = log.read_text()
-        return text.split("listening on ")[1].split()[0] if "listening on " in text else None
-
-    yield wait_for(listening, timeout=20)
-    proc.terminate()
-    proc.wait(10)
+    with run_gateway({**env, "OVERNIGHT_MODEL_URL": upstream}, tmp_path) as url:
+        yield url
 
 
 def _clients(r: redis.Redis, namespace: str, url: str, count: int, mode: str) -> dict[int, int]:

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,8 @@ from overnight.config.keys import Keys
 from overnight.coordinator.gateway_watch import GatewayWatch, restart_delay
 from overnight.worker.envelope import CallEnvelope
 from overnight.worker.receipts import read
-from tests.helpers import OVERNIGHT, pid_alive, task_file, wait_for
-
-UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
+from tests.helpers import OVERNIGHT, cli, pid_alive, task_file, wait_for, worker_env
+from tests.helpers import upstream as upstream  # a fixture
 
 # One chat request through the gateway the step's environment names; ok.txt only if answered.
 AGENT = textwrap.dedent("""
@@ -83,24 +81,6 @@ def test_watch_leaves_the_port_to_a_gateway_that_answers_meanwhile(
     watch.stop()
 
 
-@pytest.fixture
-def upstream() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    yield f"http://127.0.0.1:{line.split()[1]}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -131,9 +111,8 @@ def _gateway_children(parent: int) -> list[int]:
 def test_worker_restarts_a_killed_gateway_and_the_next_step_is_metered(
     env: dict[str, str], upstream: str, tmp_path: Path, r: redis.Redis, namespace: str
 ) -> None:
-    port = _free_port()
-    wenv = {**env, "OVERNIGHT_QUEUE": namespace, "OVERNIGHT_GRACE": "0.5",
-            "OVERNIGHT_MODEL_URL": upstream, "OVERNIGHT_GATEWAY_PORT": str(port)}  # fmt: skip
+    wenv = worker_env(env, OVERNIGHT_MODEL_URL=upstream)
+    port = int(wenv["OVERNIGHT_GATEWAY_PORT"])
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
         worker = subprocess.Popen([OVERNIGHT, "worker"], env=wenv, stdin=subprocess.DEVNULL,
@@ -155,12 +134,9 @@ def test_worker_restarts_a_killed_gateway_and_the_next_step_is_metered(
         agent = [sys.executable, str(tmp_path / "agent.py")]
         path = task_file(tmp_path, "after", agent, [["test", "-f", "ok.txt"]],
                          workspace="in-place")  # fmt: skip
-        submitted = subprocess.run([OVERNIGHT, "submit", "--wait", str(path)], env=wenv,
-                                   capture_output=True, text=True, timeout=150)  # fmt: skip
+        submitted = cli(wenv, "submit", "--wait", str(path))
         assert submitted.returncode == 0, submitted.stderr + log_path.read_text()[-3000:]
-        shown = subprocess.run([OVERNIGHT, "status", "after"], env=wenv, capture_output=True,
-                               text=True, timeout=60)  # fmt: skip
-        status = json.loads(shown.stdout)
+        status = json.loads(cli(wenv, "status", "after", timeout=60).stdout)
         assert status["state"] == "finished_verified", status
         assert status["calls_used"] == 1 + 1  # the agent's one model request, one rule run
         calls = [rc for rc in read(r, Keys(namespace)) if rc.kind == "model_call"]

@@ -4,7 +4,6 @@ upstream and the supervised step."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import urllib.error
@@ -20,9 +19,8 @@ from overnight.worker.envelope import CallEnvelope
 from overnight.worker.gateway_grant import Grant
 from overnight.worker.receipts import read
 from overnight.worker.supervisor import StepSpec, SupervisedResult, run_supervised
-from tests.helpers import OVERNIGHT, wait_for
-
-UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
+from tests.helpers import run_gateway
+from tests.helpers import upstream as upstream  # a fixture
 
 # A silent agent: asks the model (through whatever its environment points at) and prints
 # nothing; with ``loop`` it retries like a client library would, then waits.
@@ -43,31 +41,12 @@ AGENT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    yield f"http://127.0.0.1:{line.split()[1]}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
-
-
 @pytest.fixture
 def gateway(env: dict[str, str], upstream: str, tmp_path: Path) -> Iterator[str]:
-    env = {**env, "OVERNIGHT_MODEL_URL": upstream, "OVERNIGHT_MODEL_TIMEOUT": "10"}
-    log = tmp_path / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([OVERNIGHT, "gateway", "--port", "0"], env=env, stderr=out)
-
-    def listening() -> str | None:
-        text = log.read_text()
-        return text.split("listening on ")[1].split()[0] if "listening on " in text else None
-
-    yield wait_for(listening, timeout=20)
-    proc.terminate()
-    proc.wait(10)
+    with run_gateway(
+        {**env, "OVERNIGHT_MODEL_URL": upstream, "OVERNIGHT_MODEL_TIMEOUT": "10"}, tmp_path
+    ) as url:
+        yield url
 
 
 def _run(r: redis.Redis, namespace: str, spec: StepSpec) -> SupervisedResult:

@@ -4,12 +4,8 @@ unit, and an envelope that runs out mid-step halts the task at the call ceiling.
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +15,8 @@ import redis
 from overnight.config.keys import Keys
 from overnight.worker.envelope import CallEnvelope
 from overnight.worker.receipts import read
-from tests.helpers import OVERNIGHT, task_file
-
-UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
+from tests.helpers import cli, run_burst, task_file, worker_env
+from tests.helpers import upstream as upstream  # a fixture
 
 # An agent: sends N chat requests through the gateway its environment names (retrying a
 # gateway that is still starting), counts the answers, writes ok.txt, then waits.
@@ -50,35 +45,10 @@ AGENT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    yield f"http://127.0.0.1:{line.split()[1]}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def tenv(env: dict[str, str], upstream: str, tmp_path: Path) -> dict[str, str]:
     (tmp_path / "agent.py").write_text(AGENT)
-    port = str(_free_port())
-    return {**env, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"], "OVERNIGHT_GRACE": "0.5",
-            "OVERNIGHT_MODEL_URL": upstream, "OVERNIGHT_GATEWAY_PORT": port}  # fmt: skip
-
-
-def _cli(tenv: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=tenv, capture_output=True, text=True,
-                          timeout=90, check=False)  # fmt: skip
+    return worker_env(env, OVERNIGHT_MODEL_URL=upstream)
 
 
 def _run_task(tenv: dict[str, str], tmp_path: Path, name: str, agent_args: list[str],
@@ -86,14 +56,7 @@ def _run_task(tenv: dict[str, str], tmp_path: Path, name: str, agent_args: list[
     agent = [sys.executable, str(tmp_path / "agent.py"), *agent_args]
     path = task_file(tmp_path, name, agent, [["test", "-f", "ok.txt"]],
                      workspace="in-place", **kw)  # fmt: skip
-    submitted = _cli(tenv, "submit", str(path))
-    assert submitted.returncode == 0, submitted.stderr
-    worked = _cli(tenv, "worker", "--burst")
-    assert worked.returncode == 0, worked.stderr[-3000:]
-    shown = _cli(tenv, "status", name)
-    assert shown.returncode == 0, shown.stderr
-    data: dict[str, Any] = json.loads(shown.stdout)
-    return data
+    return run_burst(tenv, path, name)
 
 
 def test_every_request_is_one_unit_and_a_silent_step_its_floor(
@@ -113,7 +76,7 @@ def test_every_request_is_one_unit_and_a_silent_step_its_floor(
     assert silent["state"] == "finished_verified", silent
     assert silent["calls_used"] == 1 + 1  # the agent step's floor unit, one rule run
     assert envelope.snapshot().consumed_model == 4
-    report = _cli(tenv, "report", "--plain")
+    report = cli(tenv, "report", "--plain")
     assert report.returncode == 0, report.stderr
     assert "ledger three: 3 model requests, tokens in 33 out 21 cache 0, 0 tool calls" in (
         report.stdout

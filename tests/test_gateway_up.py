@@ -4,13 +4,8 @@ through it with its per-lease token: metered, and never handed the real key."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -18,9 +13,8 @@ import redis
 from overnight.config.keys import Keys
 from overnight.worker.envelope import CallEnvelope
 from overnight.worker.receipts import read
-from tests.helpers import OVERNIGHT
-
-UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
+from tests.helpers import OVERNIGHT, free_port, seen
+from tests.helpers import upstream as upstream  # a fixture
 
 TASK = """id = "asks-model"
 assignment = "Say hi."
@@ -34,24 +28,6 @@ run = ["grep", "-q", "hi", "out/answer.md"]
 """
 
 
-@pytest.fixture
-def upstream() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    yield f"http://127.0.0.1:{line.split()[1]}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_up_runs_the_gateway_and_the_model_step_goes_through_it(
@@ -61,7 +37,7 @@ def test_up_runs_the_gateway_and_the_model_step_goes_through_it(
     tasks.mkdir()
     (tasks / "task.toml").write_text(TASK)
     env = {**env, "OVERNIGHT_MODEL_URL": f"{upstream}/v1", "OVERNIGHT_MODEL_API_KEY": "sk-real",
-           "OVERNIGHT_MODEL_NAME": "m", "OVERNIGHT_GATEWAY_PORT": str(_free_port())}  # fmt: skip
+           "OVERNIGHT_MODEL_NAME": "m", "OVERNIGHT_GATEWAY_PORT": str(free_port())}  # fmt: skip
     args = ["up", "--tasks", str(tasks), "--budget", "10", "--exit-when-done", "--workers", "1"]
     proc = subprocess.run([OVERNIGHT, *args, "--state-dir", str(tmp_path / "state")],
                           cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -77,9 +53,7 @@ def test_up_runs_the_gateway_and_the_model_step_goes_through_it(
     ]
     state = CallEnvelope(r, "default", namespace).snapshot()
     assert (state.consumed_model, state.consumed_tool, state.consumed_tokens) == (1, 1, 18)
-    with urllib.request.urlopen(f"{upstream}/_seen", timeout=5) as resp:
-        seen: list[dict[str, Any]] = json.loads(resp.read())
-    (asked,) = [s for s in seen if s["path"] == "/v1/chat/completions"]
+    (asked,) = [s for s in seen(upstream) if s["path"] == "/v1/chat/completions"]
     assert asked["headers"]["Authorization"] == "Bearer sk-real"  # added by the gateway
     record = json.loads((tmp_path / "tasks" / "out" / "turn-001.json").read_text())
     assert record["answer"] == "hi" and record["source"] == "http"
