@@ -147,15 +147,27 @@ def demo_command(workers: int, state_dir: Path) -> None:
     "--exit-when-done", is_flag=True, help="Exit once every task it knows has ended or paused."
 )
 @click.option("--once", is_flag=True, help="Submit, make one maintenance pass, exit.")
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=Path(".overnight"),
+    show_default=True,
+    help="Where the HTML report (report.html) is written, as under `up`.",
+)
 def coordinator_command(
-    tasks: tuple[Path, ...], interval: float, exit_when_done: bool, once: bool
+    tasks: tuple[Path, ...], interval: float, exit_when_done: bool, once: bool, state_dir: Path
 ) -> None:
     """The control-plane process (what docker compose runs as `coordinator`).
 
     Creates the shared envelope from OVERNIGHT_BUDGET if it does not exist (never refills
     one that does), enqueues the task files under each --tasks DIR whose id is new, then
     every --interval: ends leases of hosts whose reaper is gone and recovers tasks whose
-    worker died or whose deadline passed. SIGTERM exits 0.
+    worker died or whose deadline passed. Like `up`, it refreshes --state-dir/report.html
+    every minute and POSTs to OVERNIGHT_NOTIFY_URL when a task pauses. At OVERNIGHT_STOP_AT
+    it ends the night: once no step runs (at most the wait `up` allows), it writes the
+    report, notifies (reason "until"), asks the RQ workers of its queues to stop (an idle
+    `overnight worker` then exits 0) and exits 0. --exit-when-done writes the report and
+    notifies (reason "done") before it exits. SIGTERM exits 0.
     """
     from overnight.config.connection import describe
     from overnight.config.context import settings
@@ -165,4 +177,7 @@ def coordinator_command(
         if not folder.exists():
             raise CommandError(f"--tasks {folder}: no such file or folder", EXIT_USAGE)
     click.echo(f"overnight coordinator: {describe(settings())}", err=True)
-    sys.exit(run_coordinator(list(tasks), interval, exit_when_done=exit_when_done, once=once))
+    code = run_coordinator(
+        list(tasks), interval, exit_when_done=exit_when_done, once=once, state_dir=state_dir
+    )
+    sys.exit(code)

@@ -1,7 +1,10 @@
 """The coordinator's work, as plain functions: seed the envelope, submit task folders, and
 the maintenance pass (leases of dead hosts, tasks whose worker died or deadline passed).
 
-``overnight coordinator`` (what compose runs) and ``overnight up`` both call these.
+``overnight coordinator`` (what compose runs) and ``overnight up`` both call these. The
+coordinator also ends a night as ``up`` does (:class:`coordinator.night.Night`): at
+``OVERNIGHT_STOP_AT`` it waits for running steps to end, writes the report, notifies, asks
+the workers of its queues to stop, and exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
 
     from overnight.config.settings import Settings
     from overnight.coordinator.dispatch import RecoveryLead
+    from overnight.coordinator.night import Night
     from overnight.coordinator.taskstore import TaskRecord
 
 log = logging.getLogger("overnight.coordinator")
@@ -122,17 +126,55 @@ def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> l
     return lines
 
 
+# How long the end of a night keeps asking the workers to stop (past the grace a busy one
+# may need): a worker starting up as the first request goes out is not subscribed yet.
+END_WORKERS_MARGIN = 10.0
+
+
+def end_workers(rq_conn: redis.Redis, queues: set[str], wait: float) -> list[str]:
+    """Ask every RQ worker registered on ``queues`` to stop (RQ's shutdown command: a warm
+    stop, as SIGINT would be; an idle ``overnight worker`` exits 0), again each second for up
+    to ``wait`` seconds while any is still registered; returns those that still are."""
+    import time
+
+    from rq import Queue, Worker
+    from rq.command import send_shutdown_command
+
+    deadline = time.monotonic() + wait
+    while True:
+        names = sorted(
+            {
+                w.name
+                for name in queues
+                for w in Worker.all(connection=rq_conn, queue=Queue(name, connection=rq_conn))
+            }
+        )
+        if not names or time.monotonic() >= deadline:
+            return names
+        for name in names:
+            send_shutdown_command(rq_conn, name)
+        time.sleep(1.0)
+
+
 def run_coordinator(
-    folders: list[Path], interval: float, *, exit_when_done: bool = False, once: bool = False
+    folders: list[Path],
+    interval: float,
+    *,
+    exit_when_done: bool = False,
+    once: bool = False,
+    state_dir: Path = Path(".overnight"),
 ) -> int:
-    """The ``overnight coordinator`` process; returns its exit code."""
+    """The ``overnight coordinator`` process; returns its exit code. Its report (refreshed
+    every minute, written when the night ends) is ``state_dir/report.html``, as ``up``'s."""
     import signal
     import sys
     import threading
 
     from overnight.config.connection import connect
     from overnight.config.context import settings as current
+    from overnight.coordinator.night import Night
     from overnight.coordinator.states import SETTLED
+    from overnight.coordinator.stop import configured
     from overnight.coordinator.taskstore import TaskStore
     from overnight.worker.clients import Backoff, transient
 
@@ -147,10 +189,13 @@ def run_coordinator(
     rq_conn = connect(settings, decode_responses=False)
     client.ping()
     keys = Keys(settings.namespace)
+    night = Night(None if once else configured(), settings, client, keys, state_dir)
     if settings.metrics_port is not None:
         from overnight.coordinator.metrics import serve
 
-        serve(client, keys, settings.metrics_port)
+        night.metrics = serve(client, keys, settings.metrics_port)
+    if night.until is not None:
+        log.info("namespace=%s the night ends at %s", keys.namespace, night.stamp())
     if settings.budget is not None:
         ensure_envelope(client, keys, settings.budget)
     submitted = submit_folders(client, rq_conn, settings, folders)
@@ -171,11 +216,15 @@ def run_coordinator(
         try:
             for line in maintain(client, rq_conn, settings):
                 log.info("namespace=%s %s", keys.namespace, line)
-            if exit_when_done:
-                states = [rec.state for rec in store.all()]
-                if all(s in SETTLED for s in states):
-                    log.info("namespace=%s every task has ended or paused", keys.namespace)
-                    return 0
+            records = store.all()
+            if exit_when_done and all(rec.state in SETTLED for rec in records):
+                log.info("namespace=%s every task has ended or paused", keys.namespace)
+                if not once:
+                    night.finish("done")
+                return 0
+            if not once and night.tick(records):
+                _end_night(night, rq_conn, {settings.queue, *(r.queue for r in records)})
+                return 0
             redis_state.ok()
         except Exception as exc:
             if once or not transient(exc):
@@ -185,3 +234,13 @@ def run_coordinator(
             return 0
         stop.wait(wait)
     return 0
+
+
+def _end_night(night: Night, rq_conn: redis.Redis, queues: set[str]) -> None:
+    """The stop time came and no step runs any more (or the wait for that ran out): the
+    report, the notification, then the workers of ``queues`` are asked to stop."""
+    path = night.finish("until")
+    log.info("namespace=%s the night ended; report %s", night.keys.namespace, path)
+    left = end_workers(rq_conn, queues, night.settings.grace + END_WORKERS_MARGIN)
+    if left:
+        log.warning("namespace=%s workers still registered: %s", night.keys.namespace, left)

@@ -1,5 +1,6 @@
-"""What ``overnight up`` does about the night besides running it: its end (``--until``), the
-HTML report (refreshed while it runs, written when it ends), ``/metrics`` and notifications.
+"""What ``overnight up`` (and ``overnight coordinator``, compose's) does about the night
+besides running it: its end (``--until``, ``OVERNIGHT_STOP_AT``), the HTML report (refreshed
+while it runs, written when it ends), ``/metrics`` and notifications.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ REPORT_NAME = "report.html"
 
 
 class Night:
-    """One ``up`` run's night: ``until`` (unix time) is when it ends, or None."""
+    """One night of ``up`` or ``overnight coordinator``: ``until`` (unix time) is when it
+    ends, or None."""
 
     def __init__(
         self,
@@ -50,7 +52,7 @@ class Night:
         """Tell every member when the night ends (one absolute time, whatever the clock
         text was) and serve ``/metrics`` when a port is set."""
         if self.until is not None:
-            stamp = datetime.fromtimestamp(self.until).astimezone().isoformat()
+            stamp = self.stamp()
             stack.env["OVERNIGHT_STOP_AT"] = stamp
             log.info("the night ends at %s", stamp)
         stack.env.pop("OVERNIGHT_METRICS_PORT", None)
@@ -59,6 +61,12 @@ class Night:
             from overnight.coordinator.metrics import serve
 
             self.metrics = serve(self.client, self.keys, port)
+
+    def stamp(self) -> str:
+        """When the night ends, as one absolute ISO date-time ("" if it never does)."""
+        if self.until is None:
+            return ""
+        return datetime.fromtimestamp(self.until).astimezone().isoformat()
 
     def worker_env(self, index: int) -> dict[str, str]:
         """Extra environment of worker ``index`` (1, 2, ...): its metrics port."""
