@@ -60,18 +60,15 @@ def check_format(text: str) -> str:
     return text
 
 
-def stop_unix(text: str | None, now: datetime) -> float | None:
-    """The unix time of the night's end as a worker reads the setting, or None if unset. A
-    passed ISO time is returned as is, and a clock time names its occurrence nearest to
-    ``now`` (one that passed up to 12 hours ago counts): a worker that picks up a task just
-    after the night ended must not start it."""
+def stop_unix(text: str | None, since: datetime) -> float | None:
+    """The unix time of the night's end as a long-running process reads the setting, or None
+    if unset. ``since`` is when that process started: a clock time names its next occurrence
+    after it (``07:00`` read by a worker started at 18:00 is tomorrow's, and stays so after
+    midnight); a passed ISO time is returned as is (the night is over)."""
     if not text:
         return None
     try:
-        at = parse_stop_at(text, now)
-        if _CLOCK.fullmatch(text.strip()) and at - now > timedelta(hours=12):
-            at -= timedelta(days=1)
-        return at.timestamp()
+        return parse_stop_at(text, since).timestamp()
     except StopAtError as exc:
         if not exc.in_past:
             raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from overnight.coordinator.states import QUEUED
@@ -133,11 +134,14 @@ def _requeued(
     return Next(nxt, QUEUED, detail, tuple(events))
 
 
+# When this process started (near enough: when its loop module was imported), the moment a
+# clock-time OVERNIGHT_STOP_AT is read from: every task this worker takes sees the same end.
+PROCESS_START = datetime.now().astimezone()
+
+
 def configured() -> float | None:
     """The settings' stop time as unix time (None: the night has no end)."""
-    from datetime import datetime
-
     from overnight.config.context import settings
     from overnight.config.stopat import stop_unix
 
-    return stop_unix(settings().stop_at, datetime.now().astimezone())
+    return stop_unix(settings().stop_at, PROCESS_START)

@@ -234,14 +234,28 @@ def test_parse_stop_at_refuses(text: str, in_past: bool) -> None:
     assert err.value.in_past == in_past
 
 
-def test_stop_unix_keeps_a_passed_time() -> None:
-    assert stop_unix(None, NOW) is None
-    # A clock time as a worker reads it: the nearest occurrence (22:30 now).
-    assert stop_unix("07:00", NOW) == datetime(2026, 12, 4, 7, 0, tzinfo=UTC).timestamp()
-    assert stop_unix("22:29", NOW) == datetime(2026, 12, 3, 22, 29, tzinfo=UTC).timestamp()
-    assert stop_unix("10:31", NOW) == datetime(2026, 12, 3, 10, 31, tzinfo=UTC).timestamp()
-    assert stop_unix("10:29", NOW) == datetime(2026, 12, 4, 10, 29, tzinfo=UTC).timestamp()
-    assert stop_unix("2026-12-03T22:00+00:00", NOW) == (NOW - timedelta(minutes=30)).timestamp()
+@pytest.mark.parametrize(
+    ("text", "since", "want"),
+    [
+        (None, NOW, None),
+        # A clock time: its next occurrence after the process started (NOW is 22:30).
+        ("07:00", NOW, datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
+        ("22:31", NOW, datetime(2026, 12, 3, 22, 31, tzinfo=UTC)),
+        ("22:29", NOW, datetime(2026, 12, 4, 22, 29, tzinfo=UTC)),
+        # A worker started at 18:00 under 07:00 works through the night (the old nearest-
+        # occurrence rule called that night over before it began).
+        ("07:00", NOW.replace(hour=18, minute=0), datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
+        # Started after midnight: this morning's.
+        ("07:00", NOW.replace(day=4, hour=2), datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
+        # A passed ISO time stays passed: the night is over.
+        ("2026-12-03T22:00+00:00", NOW, NOW - timedelta(minutes=30)),
+    ],
+)  # fmt: skip
+def test_stop_unix_reads_from_the_process_start(
+    text: str | None, since: datetime, want: datetime | None
+) -> None:
+    got = stop_unix(text, since)
+    assert got == (want.timestamp() if want is not None else None)
 
 
 @pytest.mark.parametrize(
