@@ -4,10 +4,13 @@ clock ends it whatever Redis says: pure, no Redis, no processes."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import random
 import signal
 from typing import Any
 
 import pytest
+import redis
 
 from overnight.worker import outcome
 from overnight.worker.keeper import Keeper
@@ -87,6 +90,9 @@ class FakeLeases:
         self.child_beats, self.cut_at = list(child_beats), cut_at
         self.doc = LeaseDoc("L1", 7, deadline, T0, T0 + deadline, T0, gap, "running")
         self.alive_until = T0 + min(gap, deadline)
+        self.renewed: list[float] = []  # local times of the renewals written
+        self.fail_at: set[int] = set()  # renewals (by number, from 0) that fail as an outage
+        self.calls = 0
 
     def _now(self) -> float:
         now = T0 + self.clock.t
@@ -103,11 +109,15 @@ class FakeLeases:
 
     def beat(self, lease_id: str, token: int) -> float:
         now = self._now()
+        self.calls += 1
+        if self.calls - 1 in self.fail_at:
+            raise redis.ConnectionError("down")
         if now >= self.alive_until:
             raise LeaseRefused(lease_id, "lapsed")
         lapse = min(now + self.gap, self.doc.deadline_unix)
         self.alive_until = max(lapse, self.alive_until) if self.pushed else lapse
         self.doc.heartbeat_unix = now
+        self.renewed.append(self.clock.t)
         return lapse - now
 
     def probe(self, lease_id: str) -> tuple[int, LeaseDoc, float]:
@@ -205,3 +215,112 @@ def test_local_lapse(now: float, last_seen: float, alive: bool, reason: str | No
                     host="h", now=0.0, clock=clock)  # fmt: skip
     keeper.last_seen = last_seen
     assert keeper.local_lapse(now) == reason
+
+
+# --- renewals: every gap/3 while there is progress, the gap still judged on every line ------
+
+
+def run_lines(
+    fake: FakeLeases,
+    clock: Clock,
+    lines: list[float],
+    *,
+    alive: bool = False,
+    limit: float = 100.0,
+) -> tuple[outcome.Outcome, float, Keeper]:
+    """The poll loop with output lines at the given local times; after each step, the
+    liveness key must still exist while the keeper lets the step run."""
+    keeper = Keeper(fake, dataclasses.replace(fake.doc), gap=fake.gap,  # type: ignore[arg-type]
+                    deadline=fake.doc.budget_sec, beat_while_alive=alive, host="h", now=0.0,
+                    clock=clock)  # fmt: skip
+    todo = sorted(lines)
+    while clock.t < limit:
+        wake = keeper.next_wake()
+        if todo and todo[0] <= wake:
+            clock.t = max(clock.t, todo.pop(0))
+            keeper.beat_pending = True
+        else:
+            clock.t = max(clock.t, wake)
+        ended = keeper.tick(clock.t)
+        if ended is not None:
+            return ended, clock.t, keeper
+        assert T0 + clock.t < fake.alive_until, f"key lapsed under a running step at {clock.t}"
+    raise AssertionError(f"still running at {limit}s")
+
+
+def _every(step: float, until: float, start: float = 0.0) -> list[float]:
+    return [round(start + i * step, 6) for i in range(1, int((until - start) / step) + 1)]
+
+
+@pytest.mark.parametrize(
+    ("case", "gap", "deadline", "lines", "alive", "fail_at", "row", "at", "renewed"),
+    [
+        # A line every 0.5 s: renewed every gap/3 (was every 0.25 s), ended by the deadline.
+        ("chatty", 30.0, 60.0, _every(0.5, 100), False, (),
+         ("expired", "budget-exceeded", 2), 60.0, [10.0, 20.0, 30.0, 40.0, 50.0]),
+        # The gap is still judged from the last line, to the line: 20.5 + 30.
+        ("chatty, then silent", 30.0, 300.0, _every(0.5, 20.5), False, (),
+         ("killed", "heartbeat-gap-30.0s", 3), 50.5, [10.0, 20.0, 30.0]),
+        # Silent for most of the gap, then one line: renewed at that line, at once.
+        ("a late line", 30.0, 300.0, [29.0], False, (),
+         ("killed", "heartbeat-gap-30.0s", 3), 59.0, [29.0]),
+        # Lines rarer than gap/3: each renewed as it comes.
+        ("sparse lines", 30.0, 300.0, [15.0, 35.0, 55.0], False, (),
+         ("killed", "heartbeat-gap-30.0s", 3), 85.0, [15.0, 35.0, 55.0]),
+        # A renewal lost to an outage is retried within retry_interval, long before the lapse.
+        ("a failed renewal", 30.0, 60.0, _every(0.5, 100), False, (1,),
+         ("expired", "budget-exceeded", 2), 60.0, [10.0, 20.1, 30.1, 40.1, 50.1]),
+        # --beat-while-alive: renewed every gap/3 with no line at all.
+        ("alive counts", 30.0, 45.0, [], True, (),
+         ("expired", "budget-exceeded", 2), 45.0, [10.0, 20.0, 30.0, 40.0]),
+        # A short gap: renewed so that a failed renewal still leaves (gap - io budget)/2
+        # before the cut-off: gap 3 s, io budget 2.25 s, every 0.375 s.
+        ("short gap", 3.0, 1.0, _every(0.05, 10), False, (),
+         ("expired", "budget-exceeded", 2), 1.0, [0.375, 0.75]),
+        ("short gap, a failed renewal", 3.0, 3.0, _every(0.05, 10), False, (0,),
+         ("expired", "budget-exceeded", 2), 3.0, _every(0.375, 2.8, start=0.1)),
+    ],
+)  # fmt: skip
+def test_keeper_renews_every_third_of_the_gap(
+    case: str,
+    gap: float,
+    deadline: float,
+    lines: list[float],
+    alive: bool,
+    fail_at: tuple[int, ...],
+    row: tuple[str, str, int],
+    at: float,
+    renewed: list[float],
+) -> None:
+    clock = Clock()
+    fake = FakeLeases(clock, gap, deadline)
+    fake.fail_at = set(fail_at)
+    ended, when, _keeper = run_lines(fake, clock, lines, alive=alive)
+    assert (ended.status, ended.note, ended.exit_code) == row, case
+    assert when == pytest.approx(at, abs=1e-6), case
+    assert fake.renewed == pytest.approx(renewed, abs=0.051), case
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_keeper_never_lets_the_key_lapse_under_progress(seed: int) -> None:
+    """Random line patterns (gaps between lines up to 1.2x the gap): the key exists at every
+    step while the keeper lets the step run (checked in run_lines), the gap ends the step
+    exactly one gap after its last line, and renewals are never closer than the interval."""
+    rng = random.Random(seed)
+    gap = rng.choice((1.0, 3.0, 30.0))
+    t, lines = 0.0, []
+    while t < 10 * gap:
+        t += rng.choice((0.01, 0.1, 0.3, 0.9, 1.2)) * gap * rng.random()
+        lines.append(round(t, 6))
+    clock = Clock()
+    fake = FakeLeases(clock, gap, 1e6)
+    ended, when, keeper = run_lines(fake, clock, lines, limit=1e6)
+    seen = [x for x in lines if x <= when]
+    silent = [b - a for a, b in itertools.pairwise([0.0, *seen])]
+    assert ended.note.startswith("heartbeat-gap-")
+    assert all(s < gap for s in silent)
+    assert when == pytest.approx(keeper.last_seen + gap, abs=1e-9)
+    assert keeper.last_seen == pytest.approx(seen[-1] if seen else 0.0, abs=1e-9)
+    steps = [b - a for a, b in itertools.pairwise([0.0, *fake.renewed])]
+    assert keeper.renew_interval <= gap / 3
+    assert all(s >= keeper.renew_interval - 1e-9 for s in steps)
