@@ -114,9 +114,9 @@ def host_group(
         while beating and old and old[0][0] <= now:
             due, i = heapq.heappop(old)
             doc, _host = docs[i]
-            k = keys
-            res = old_beat(keys=[k.lease(doc.lease_id), k.lease_alive(doc.lease_id),
-                                 k.lease_expiry], args=[doc.token, "0", ""])  # fmt: skip
+            lid = doc.lease_id
+            res = old_beat(keys=[keys.lease(lid), keys.lease_alive(lid), keys.lease_expiry],
+                           args=[doc.token, "0", ""])  # fmt: skip
             if int(res[0]) != 1:  # lapsed while this machine was busy: say so
                 print(f"  beat refused: {res[1]}", file=sys.stderr)
             renewed[i] = now
@@ -215,7 +215,8 @@ def beats_and_loss(url: str, args: argparse.Namespace) -> tuple[Window, Window, 
     print(f"  before (old script, a beat every gap/4 = {args.gap / 4:g}s): Redis "
           f"{before.share * 100:.2f}% of one core, {before.beats:,.0f} beats/s, "
           f"{before.commands:,.0f} commands/s")  # fmt: skip
-    reapers = measure(client, plan.quiet_at + 1.0, quiet - 1.0)
+    edge = min(1.0, quiet / 4)  # the last old beats and the first renewals stay out
+    reapers = measure(client, plan.quiet_at + edge, quiet - 2 * edge)
     print(f"  reapers only (no beats): Redis {reapers.share * 100:.2f}% of one core, "
           f"{reapers.commands:,.0f} commands/s")  # fmt: skip
     after = measure(client, plan.after_at + settle, m)
