@@ -28,13 +28,16 @@ STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
 
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
-# Beats once (its first output line), then stays silent; notes when SIGTERM arrives.
+# Beats once (its first output line, its time noted just before), then stays silent; notes
+# when SIGTERM arrives. The child's own clock: the lease's heartbeat_unix is its last renewal,
+# which may trail the last progress (up to gap/3).
 SILENT = """
 import signal, sys, time
 def term(*_):
     open(sys.argv[1], "w").write(repr(time.time()))
     sys.exit(0)
 signal.signal(signal.SIGTERM, term)
+open(sys.argv[2], "w").write(repr(time.time()))
 print("started", flush=True)
 while True:
     time.sleep(10)
@@ -56,23 +59,23 @@ def _spawn(argv: list[str], env: dict[str, str], stdout: int) -> tuple[float, in
 
 
 def detection(env: dict[str, str], runs: int, gap: float, work: Path) -> list[float]:
-    """Seconds from the last beat (server clock) to SIGTERM reaching the child, per run."""
+    """Seconds from the child's last beat (its one output line) to SIGTERM reaching it."""
     script = work / "silent.py"
     script.write_text(SILENT)
     out: list[float] = []
     for i in range(runs):
-        marker = work / f"term-{i}"
+        marker, beat = work / f"term-{i}", work / f"beat-{i}"
         doc_path = work / f"doc-{i}.json"
         fd = os.open(doc_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         argv = [OVERNIGHT, "supervise", "--gap", str(gap), "--grace", "1", "--",
-                sys.executable, str(script), str(marker)]  # fmt: skip
+                sys.executable, str(script), str(marker), str(beat)]  # fmt: skip
         _wall, code, _rss = _spawn(argv, env, fd)
         os.close(fd)
         text = doc_path.read_text()
         doc = json.loads(text[text.rfind('{\n  "lease_id"') :])
         if code != 3 or not marker.exists():
             raise SystemExit(f"run {i}: exit {code}, note {doc.get('note')}")
-        out.append(float(marker.read_text()) - doc["heartbeat_unix"])
+        out.append(float(marker.read_text()) - float(beat.read_text()))
     return out
 
 
