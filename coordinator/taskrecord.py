@@ -84,6 +84,15 @@ class InFlight(BaseModel):
     started_unix: float
 
 
+class CheckedTree(BaseModel):
+    """What the verifier checked in a turn: the commit (or the snapshot digest, outside git)
+    and the digest of each protected file put back from the base."""
+
+    commit: str | None = None
+    snapshot: str | None = None
+    protected: dict[str, str] = Field(default_factory=dict)
+
+
 class Checkpoint(BaseModel):
     """Loop state saved after every step; ``(turn, step)`` names the next step to run."""
 
@@ -108,15 +117,6 @@ class Checkpoint(BaseModel):
     diffstat: str = ""
     protected_changed: list[str] = Field(default_factory=list)
     checked: CheckedTree | None = None
-
-
-class CheckedTree(BaseModel):
-    """What the verifier checked in a turn: the commit (or the snapshot digest, outside git)
-    and the digest of each protected file put back from the base."""
-
-    commit: str | None = None
-    snapshot: str | None = None
-    protected: dict[str, str] = Field(default_factory=dict)
 
 
 class Runner(BaseModel):
