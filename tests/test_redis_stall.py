@@ -190,3 +190,41 @@ def test_worker_and_reaper_ride_out_a_full_redis(
         assert "Redis unavailable (OutOfMemoryError" in text, text[-3000:]
         assert "Redis available again" in text
     assert "Traceback" not in reaper_log and "quitting" not in worker_log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_started_before_its_redis_waits_for_it(
+    redis_factory: Callable[..., EmbeddedRedis],
+    env: dict[str, str],
+    namespace: str,
+    tmp_path: Path,
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    """A worker (re)started while its Redis restarts, or before compose's Redis is up, waits
+    (with backoff, up to 30 s) instead of exiting 69, then works."""
+    from tests.helpers import free_port
+
+    port = free_port()
+    password = uuid.uuid4().hex
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    tenv = {**env, "OVERNIGHT_REDIS_URL": url, "OVERNIGHT_QUEUE": namespace,
+            "OVERNIGHT_GRACE": "0.5"}  # fmt: skip
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as out:
+        procs.append(subprocess.Popen([OVERNIGHT, "worker"], env=tenv, stdout=out,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
+    wait_for(lambda: b"Redis unavailable" in log_path.read_bytes(), timeout=30)
+    assert procs[0].poll() is None
+    redis_factory(port=port, password=password)
+    wait_for(lambda: b"Listening on" in log_path.read_bytes(), timeout=30)
+    assert b"Redis available again" in log_path.read_bytes()
+    assert _cli(tenv, "envelope", "reset", "5").returncode == 0
+    path = task_file(tmp_path, "late", ["sh", "-c", "echo ok > ok.txt"], [["test", "-f", "ok.txt"]])
+    assert _cli(tenv, "submit", str(path)).returncode == 0
+
+    def state() -> str:
+        shown = _cli(tenv, "status", "late")
+        return str(json.loads(shown.stdout)["state"]) if shown.returncode == 0 else ""
+
+    wait_for(lambda: state() == "finished_verified", timeout=60, interval=0.3)
