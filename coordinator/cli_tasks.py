@@ -17,8 +17,6 @@ from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandErr
 from overnight.config.spawn import overnight_argv
 
 if TYPE_CHECKING:
-    import redis
-
     from overnight.coordinator.taskstore import TaskRecord, TaskStore
 
 
@@ -167,7 +165,7 @@ def worker_command(
     from overnight.coordinator.dispatch import OvernightWorker
     from overnight.coordinator.gateway_watch import GatewayWatch
     from overnight.coordinator.metrics import serve_from_settings as serve_metrics
-    from overnight.worker.clients import transient
+    from overnight.worker.clients import await_redis, transient
     from overnight.worker.stepuser import configured
 
     configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
@@ -178,7 +176,7 @@ def worker_command(
             raise click.BadParameter(f"bad queue name {q!r}", param_hint="--queues")
     conn = rq_connection()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    _await_redis(conn, STARTUP_WAIT)
+    await_redis(conn, "worker start", logging.getLogger("overnight.worker"))
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None
@@ -211,33 +209,6 @@ def worker_command(
             reaper.wait(30)
         if gateway is not None:
             gateway.stop()
-
-
-# How long a starting worker waits for its Redis (restarting, loading) before it exits 69.
-STARTUP_WAIT = 30.0
-
-
-def _await_redis(conn: redis.Redis, wait: float) -> None:
-    """PING until Redis answers; a transient error is retried with backoff for up to
-    ``wait`` seconds (a worker restarted while Redis restarts), then raised (exit 69)."""
-    import logging
-
-    import redis
-
-    from overnight.worker.clients import Backoff, transient
-
-    backoff = Backoff("worker start", logging.getLogger("overnight.worker"), cap=2.0)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            conn.ping()
-        except redis.RedisError as exc:
-            if not transient(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(min(backoff.failed(exc), max(0.0, deadline - time.monotonic())))
-            continue
-        backoff.ok()
-        return
 
 
 def _start_reaper() -> subprocess.Popen[bytes]:

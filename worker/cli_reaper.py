@@ -51,6 +51,7 @@ def reaper_command(
     from overnight.config.keys import Keys
     from overnight.config.settings import mask_url
     from overnight.worker import procs, reaper
+    from overnight.worker.clients import STARTUP_WAIT, await_redis
 
     cfg = settings()
     if not once:  # a long-running reaper names its Redis first; one pass just answers
@@ -70,7 +71,8 @@ def reaper_command(
     signal.signal(signal.SIGINT, on_signal)
     client = redis_client()
     try:
-        client.ping()
+        # A one-shot pass does not wait; a long-running reaper rides out a Redis restarting.
+        await_redis(client, "reaper start", reaper.log, wait=0.0 if once else STARTUP_WAIT)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise CommandError(
             f"Redis unreachable at {mask_url(cfg.redis_url)}: {exc}", EXIT_REDIS_DOWN
