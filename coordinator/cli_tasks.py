@@ -165,7 +165,7 @@ def worker_command(
     from overnight.coordinator.dispatch import OvernightWorker
     from overnight.coordinator.gateway_watch import GatewayWatch
     from overnight.coordinator.metrics import serve_from_settings as serve_metrics
-    from overnight.worker.clients import await_redis, transient
+    from overnight.worker.clients import STARTUP_WAIT, retry_transient, transient
     from overnight.worker.stepuser import configured
 
     configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
@@ -176,7 +176,8 @@ def worker_command(
             raise click.BadParameter(f"bad queue name {q!r}", param_hint="--queues")
     conn = rq_connection()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    await_redis(conn, "worker start", logging.getLogger("overnight.worker"))
+    retry_transient(conn.ping, "worker start", logging.getLogger("overnight.worker"),
+                    patience=STARTUP_WAIT, cap=2.0)  # fmt: skip
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None

@@ -51,7 +51,7 @@ def reaper_command(
     from overnight.config.keys import Keys
     from overnight.config.settings import mask_url
     from overnight.worker import procs, reaper
-    from overnight.worker.clients import STARTUP_WAIT, await_redis
+    from overnight.worker.clients import STARTUP_WAIT, retry_transient
 
     cfg = settings()
     if not once:  # a long-running reaper names its Redis first; one pass just answers
@@ -72,7 +72,11 @@ def reaper_command(
     client = redis_client()
     try:
         # A one-shot pass does not wait; a long-running reaper rides out a Redis restarting.
-        await_redis(client, "reaper start", reaper.log, wait=0.0 if once else STARTUP_WAIT)
+        if once:
+            client.ping()
+        else:
+            retry_transient(client.ping, "reaper start", reaper.log, patience=STARTUP_WAIT,
+                            cap=2.0)  # fmt: skip
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise CommandError(
             f"Redis unreachable at {mask_url(cfg.redis_url)}: {exc}", EXIT_REDIS_DOWN

@@ -229,25 +229,6 @@ def retry_transient(
         return result
 
 
-# How long a starting long-running command (worker, reaper) waits for its Redis.
+# How long a starting long-running command (worker, reaper) waits for its Redis (restarting,
+# loading, or not up yet under compose) before it exits 69: retry_transient's patience.
 STARTUP_WAIT = 30.0
-
-
-def await_redis(client: redis.Redis, what: str, logger: logging.Logger,
-                wait: float = STARTUP_WAIT) -> None:  # fmt: skip
-    """PING until Redis answers. A transient error (a Redis restarting or loading, or not up
-    yet under compose) is retried with backoff for up to ``wait`` seconds, then raised."""
-    import redis
-
-    backoff = Backoff(what, logger, cap=2.0)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            client.ping()
-        except redis.RedisError as exc:
-            if not transient(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(min(backoff.failed(exc), max(0.0, deadline - time.monotonic())))
-            continue
-        backoff.ok()
-        return
