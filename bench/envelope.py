@@ -18,8 +18,8 @@ from typing import Any
 
 import redis
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker.envelope import CallEnvelope
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.envelope.envelope import CallEnvelope
 
 MODES = ("envelope", "incr", "watch")
 NAMESPACE = "bench"

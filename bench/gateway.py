@@ -32,10 +32,10 @@ import aiohttp
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.gateway_grant import Grant, mint
-from overnight.worker.lease import Leases
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.gateway.grant import Grant, mint
+from overnight.worker.lease.store import Leases
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "scripted_upstream.py"

@@ -12,7 +12,7 @@ supervisor's is. Redis's CPU is measured in three windows of one run:
   lines was every 0.25 s, too many beats to drive here, so that figure is extrapolated
   from the measured cost of one beat;
 - reapers only: no beats, the reapers' passes and Redis's own housekeeping;
-- after: the real :class:`worker.keeper.Keeper` drives each lease, every step chatty (a
+- after: the real :class:`worker.supervise.keeper.Keeper` drives each lease, every step chatty (a
   line always seen since the last renewal: the most beats the keeper ever writes), with
   the current beat script.
 
@@ -41,12 +41,12 @@ from typing import Any
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import procs
-from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
-from overnight.worker.keeper import Keeper
-from overnight.worker.lease import LeaseDoc, Leases
-from overnight.worker.reaper import reap_once
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.lease.store import LeaseDoc, Leases
+from overnight.worker.reaper.reaper import reap_once
+from overnight.worker.supervise import procs
+from overnight.worker.supervise.keeper import Keeper
 
 NS = "bench-hosts"
 BEFORE = (Path(__file__).parent / "lease_beat_before.lua").read_text()

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=10_000)
     parser.add_argument("--retention", type=int, default=60)
     args = parser.parse_args(argv)
-    # Lease documents read their retention from the environment (worker.lease).
+    # Lease documents read their retention from the environment (worker.lease.store).
     os.environ["OVERNIGHT_RETENTION"] = str(args.retention)
 
     import redis
@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from overnight.config.keys import Keys
     from overnight.config.settings import load_settings
-    from overnight.coordinator.dispatch import enqueue, recover
-    from overnight.coordinator.embedded_redis import EmbeddedRedis
-    from overnight.coordinator.states import State
-    from overnight.coordinator.taskfile import Rule, TaskSpec
-    from overnight.coordinator.taskstore import Checkpoint, Next, Runner, TaskRecord, TaskStore
-    from overnight.worker.lease import Leases
+    from overnight.coordinator.dispatch.core import enqueue, recover
+    from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+    from overnight.coordinator.tasks.states import State
+    from overnight.coordinator.tasks.store import Checkpoint, Next, Runner, TaskRecord, TaskStore
+    from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
+    from overnight.worker.lease.store import Leases
 
     n = args.tasks
     with tempfile.TemporaryDirectory(prefix="overnight-bench-memory-") as tmp:

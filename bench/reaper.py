@@ -25,9 +25,10 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.config.runtime import proof_dir
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import procs, proof
-from overnight.worker.reaper import reap_once
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.lease import proof
+from overnight.worker.reaper.reaper import reap_once
+from overnight.worker.supervise import procs
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 # A chatty child that outlives its supervisor's pipe (SIGPIPE ignored) and a setsid'd grandchild.

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from overnight.config.keys import Keys
     from overnight.config.settings import load_settings
-    from overnight.coordinator.dispatch import enqueue, recover
-    from overnight.coordinator.embedded_redis import EmbeddedRedis
-    from overnight.coordinator.taskfile import Rule, TaskSpec
-    from overnight.coordinator.taskstore import TaskStore
+    from overnight.coordinator.dispatch.core import enqueue, recover
+    from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+    from overnight.coordinator.tasks.store import TaskStore
+    from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
 
     with tempfile.TemporaryDirectory(prefix="overnight-bench-recovery-") as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis", password=uuid.uuid4().hex)

@@ -45,11 +45,11 @@ from typing import TextIO
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.coordinator.states import PAUSED, QUEUED, RUNNING, TERMINAL
-from overnight.worker import tree
-from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
-from overnight.worker.reaper import lease_tag
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.coordinator.tasks.states import PAUSED, QUEUED, RUNNING, TERMINAL
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.reaper.reaper import lease_tag
+from overnight.worker.supervise import tree
 
 # Who steps run as (contract §1): kept from the caller's environment.
 STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")

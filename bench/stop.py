@@ -22,8 +22,8 @@ from pathlib import Path
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import receipts
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.redisio import receipts
 
 BIN = Path(sys.executable).parent
 STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 
 # Issue 11: containment keeps `supervise -- true` within 1.3x of the 0.209 s measured before.
 OVERHEAD = 1.3 * 0.209

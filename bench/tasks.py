@@ -80,10 +80,10 @@ def run_overnight(url: str, n: int, workers: int, env: dict[str, str], workdir: 
     import redis
 
     from overnight.config.keys import Keys
-    from overnight.coordinator.dispatch import enqueue
-    from overnight.coordinator.taskfile import Rule, TaskSpec
-    from overnight.coordinator.taskstore import TaskStore
-    from overnight.worker.envelope import CallEnvelope
+    from overnight.coordinator.dispatch.core import enqueue
+    from overnight.coordinator.tasks.store import TaskStore
+    from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
+    from overnight.worker.envelope.envelope import CallEnvelope
 
     namespace = env["OVERNIGHT_NAMESPACE"]
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternate runs; best of each")
     args = parser.parse_args(argv)
 
-    from overnight.coordinator.embedded_redis import EmbeddedRedis
+    from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 
     with (
         tempfile.TemporaryDirectory(prefix="overnight-bench-") as tmp,

@@ -24,5 +24,5 @@ def runtime_root() -> Path:
 
 
 def proof_dir(namespace: str) -> Path:
-    """The folder of the supervisor's lease proofs for ``namespace`` (see worker.proof)."""
+    """The folder of the supervisor's lease proofs for ``namespace`` (see worker.lease.proof)."""
     return runtime_root() / f"ns-{quote(namespace, safe='')}" / "leases"

@@ -15,31 +15,31 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from overnight.worker.envelope import (
+    from overnight.worker.beat.pulse import NoLease, beat, pulse
+    from overnight.worker.envelope.envelope import (
         CallEnvelope,
         EnvelopeEmpty,
         EnvelopeRefused,
         EnvelopeState,
         EnvelopeUnavailable,
     )
-    from overnight.worker.guards import LoopResult, gated, reserving, run_agent_loop
-    from overnight.worker.lease import LeaseRefused
-    from overnight.worker.pulse import NoLease, beat, pulse
+    from overnight.worker.envelope.guards import LoopResult, gated, reserving, run_agent_loop
+    from overnight.worker.lease.store import LeaseRefused
 
 _WHERE = {
-    "CallEnvelope": "overnight.worker.envelope",
-    "EnvelopeEmpty": "overnight.worker.envelope",
-    "EnvelopeRefused": "overnight.worker.envelope",
-    "EnvelopeState": "overnight.worker.envelope",
-    "EnvelopeUnavailable": "overnight.worker.envelope",
-    "LoopResult": "overnight.worker.guards",
-    "gated": "overnight.worker.guards",
-    "reserving": "overnight.worker.guards",
-    "run_agent_loop": "overnight.worker.guards",
-    "LeaseRefused": "overnight.worker.lease",
-    "NoLease": "overnight.worker.pulse",
-    "beat": "overnight.worker.pulse",
-    "pulse": "overnight.worker.pulse",
+    "CallEnvelope": "overnight.worker.envelope.envelope",
+    "EnvelopeEmpty": "overnight.worker.envelope.envelope",
+    "EnvelopeRefused": "overnight.worker.envelope.envelope",
+    "EnvelopeState": "overnight.worker.envelope.envelope",
+    "EnvelopeUnavailable": "overnight.worker.envelope.envelope",
+    "LoopResult": "overnight.worker.envelope.guards",
+    "gated": "overnight.worker.envelope.guards",
+    "reserving": "overnight.worker.envelope.guards",
+    "run_agent_loop": "overnight.worker.envelope.guards",
+    "LeaseRefused": "overnight.worker.lease.store",
+    "NoLease": "overnight.worker.beat.pulse",
+    "beat": "overnight.worker.beat.pulse",
+    "pulse": "overnight.worker.beat.pulse",
 }
 
 __all__ = [

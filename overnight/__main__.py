@@ -1,5 +1,5 @@
 """``python -m overnight`` runs the ``overnight`` CLI."""
 
-from overnight.coordinator.cli import main
+from overnight.coordinator.cli.main import main
 
 main()

@@ -24,9 +24,9 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator.agents import Launch
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.receipts import read
-from overnight.worker.stepuser import StepUser
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.redisio.receipts import read
+from overnight.worker.sandbox.stepuser import StepUser
 from tests.helpers import run_burst, scripted_upstream, seen, worker_env
 
 COMPLETIONS = ("/v1/responses", "/v1/chat/completions", "/v1/messages")

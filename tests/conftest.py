@@ -13,12 +13,12 @@ import fakeredis
 import pytest
 import redis
 
-from overnight.coordinator.embedded_redis import (
+from overnight.coordinator.night.embedded_redis import (
     EmbeddedRedis,
     RedisBinaryMissing,
     find_redis_server,
 )
-from overnight.worker.stepuser import StepUser, lookup
+from overnight.worker.sandbox.stepuser import StepUser, lookup
 
 # Tests run steps as whoever runs pytest (root in CI) unless they ask for the step user
 # (the `step_user` fixture): pytest's own tmp folders are root's and 0700, which a step

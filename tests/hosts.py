@@ -29,7 +29,7 @@ from typing import IO, Any
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import find_redis_server
+from overnight.coordinator.night.embedded_redis import find_redis_server
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 REDIS_PORT = 6390

@@ -17,7 +17,7 @@ import pytest
 
 from overnight.coordinator.agents import Context, Said
 from overnight.coordinator.agents import aider as preset
-from overnight.worker.stepuser import StepUser
+from overnight.worker.sandbox.stepuser import StepUser
 from tests.agent_tasks import (
     Bench,
     Scripted,

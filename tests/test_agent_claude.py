@@ -18,7 +18,7 @@ import pytest
 
 from overnight.coordinator.agents import Context, Said
 from overnight.coordinator.agents import claude as preset
-from overnight.worker.stepuser import StepUser
+from overnight.worker.sandbox.stepuser import StepUser
 from tests.agent_tasks import (
     FIX,
     PATH,

@@ -17,11 +17,12 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator import agents
-from overnight.coordinator.loop import LoopConfig, TaskLoop
-from overnight.coordinator.steps import plain_runner
-from overnight.coordinator.taskfile import TaskFileError, TaskSpec, load
-from overnight.coordinator.taskstore import Runner, TaskStore
-from overnight.worker import receipts, stepenv
+from overnight.coordinator.tasks.loop import LoopConfig, TaskLoop
+from overnight.coordinator.tasks.steps import plain_runner
+from overnight.coordinator.tasks.store import Runner, TaskStore
+from overnight.coordinator.tasks.taskfile import TaskFileError, TaskSpec, load
+from overnight.worker.redisio import receipts
+from overnight.worker.sandbox import stepenv
 from tests.test_task_loop import Budget
 
 # The fake CLI: writes what it was given where the verifier looks, and prints a JSON line
@@ -213,7 +214,7 @@ def test_overnight_agents_lists_every_preset_and_what_is_installed(
 ) -> None:
     from click.testing import CliRunner
 
-    from overnight.coordinator.cli_agents import agents_command
+    from overnight.coordinator.cli.agents import agents_command
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

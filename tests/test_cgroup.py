@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from overnight.worker import cgroup
+from overnight.worker.sandbox import cgroup
 from tests.helpers import pid_alive, wait_for
 
 pytestmark = pytest.mark.skipif(

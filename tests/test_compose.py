@@ -24,7 +24,7 @@ import yaml
 from compose_spec import PyCompose
 
 from overnight.config.settings import Settings, env_name
-from overnight.coordinator.embedded_redis import free_port
+from overnight.coordinator.night.embedded_redis import free_port
 from tests.helpers import OVERNIGHT, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import receipts
+from overnight.worker.redisio import receipts
 from tests.helpers import OVERNIGHT, task_file
 from tests.test_compose import interpolate, load, service_argv
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from overnight.coordinator.taskfile import TaskFileError, load
-from overnight.worker.beatchannel import in_tree
-from overnight.worker.procs import Proc
-from overnight.worker.stepenv import declared_problem, step_environment
+from overnight.coordinator.tasks.taskfile import TaskFileError, load
+from overnight.worker.beat.channel import in_tree
+from overnight.worker.sandbox.stepenv import declared_problem, step_environment
+from overnight.worker.supervise.procs import Proc
 from tests.helpers import OVERNIGHT, final_doc, start, task_file, wait_for
 
 PY = sys.executable
@@ -314,7 +314,7 @@ def test_hostile_step_as_a_task_agent(env: dict[str, str], tmp_path: Path) -> No
 
 
 def test_a_scratch_home_with_read_only_folders_is_removed() -> None:
-    from overnight.worker.stepenv import make_home, remove_home
+    from overnight.worker.sandbox.stepenv import make_home, remove_home
 
     home = Path(make_home("lease-ro"))
     assert oct(home.stat().st_mode & 0o777) == "0o700" and (home / "tmp").is_dir()

@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.lease import Leases
+from overnight.worker.lease.store import Leases
 from tests.helpers import OVERNIGHT, assert_all_gone, pid_alive, supervise, task_file, wait_for
 
 PY = sys.executable

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from tests.helpers import OVERNIGHT, kill_quietly, task_file, wait_for
 
 PY = sys.executable

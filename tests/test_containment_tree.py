@@ -26,9 +26,9 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import cgroup
-from overnight.worker.stepuser import StepUser, lookup
-from overnight.worker.supervisor import StepSpec, run_supervised
+from overnight.worker.sandbox import cgroup
+from overnight.worker.sandbox.stepuser import StepUser, lookup
+from overnight.worker.supervise.supervisor import StepSpec, run_supervised
 from tests.helpers import OVERNIGHT, final_doc, wait_for
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable

@@ -28,11 +28,11 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import cgroup
-from overnight.worker.receipts import read as read_receipts
-from overnight.worker.stepuser import StepUser, StepUserRefused, decide, workdir_problem
-from overnight.worker.supervisor import StepSpec, run_supervised
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.redisio.receipts import read as read_receipts
+from overnight.worker.sandbox import cgroup
+from overnight.worker.sandbox.stepuser import StepUser, StepUserRefused, decide, workdir_problem
+from overnight.worker.supervise.supervisor import StepSpec, run_supervised
 from tests.helpers import OVERNIGHT, final_doc, task_file
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable

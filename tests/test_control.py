@@ -10,8 +10,8 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.config.settings import load_settings
-from overnight.coordinator.control import ensure_envelope, submit_folders, task_files
-from overnight.worker.envelope import CallEnvelope
+from overnight.coordinator.night.control import ensure_envelope, submit_folders, task_files
+from overnight.worker.envelope.envelope import CallEnvelope
 from tests.helpers import ROOT
 
 

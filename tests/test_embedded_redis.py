@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 
 
 def test_password_is_required_and_never_on_the_command_line(tmp_path: Path) -> None:

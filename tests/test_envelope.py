@@ -11,17 +11,17 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
-from overnight.worker.envelope import (
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis, free_port
+from overnight.worker.envelope.envelope import (
     CallEnvelope,
     EnvelopeEmpty,
     EnvelopeRefused,
     EnvelopeUnavailable,
     ReservationLost,
 )
-from overnight.worker.guards import Step, demo_steps, gated, reserving, run_agent_loop
-from overnight.worker.receipts import read
-from overnight.worker.scripts import source
+from overnight.worker.envelope.guards import Step, demo_steps, gated, reserving, run_agent_loop
+from overnight.worker.redisio.receipts import read
+from overnight.worker.redisio.scripts import source
 
 from .helpers import wait_for
 

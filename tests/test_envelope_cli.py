@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker.envelope import CallEnvelope, EnvelopeUnavailable
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeUnavailable
 from tests.helpers import OVERNIGHT, ROOT, wait_for
 
 REFUSED_MODEL = {
@@ -26,7 +26,7 @@ REFUSED_MODEL = {
 # consumes that attempt and then hangs without printing: Redis answered, the worker died.
 CHILD = """
 import signal, sys, redis
-from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
 url, ns, tag, attempts, stall, go = sys.argv[1:7]
 client = redis.Redis.from_url(url)
 env = CallEnvelope(client, "shared", ns)

@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
-from overnight.worker.lease import LeaseRefused, Leases
-from overnight.worker.supervisor import StepSpec, run_supervised
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
+from overnight.worker.lease.store import LeaseRefused, Leases
+from overnight.worker.supervise.supervisor import StepSpec, run_supervised
 from tests.helpers import (
     OVERNIGHT,
     assert_all_gone,

@@ -19,10 +19,10 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.gateway_grant import Grant, mint, revoke
-from overnight.worker.lease import Leases
-from overnight.worker.receipts import read
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.gateway.grant import Grant, mint, revoke
+from overnight.worker.lease.store import Leases
+from overnight.worker.redisio.receipts import read
 from tests.helpers import OVERNIGHT, wait_for
 
 UPSTREAM = Path(__file__).with_name("scripted_upstream.py")

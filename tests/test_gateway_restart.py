@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.gateway_watch import GatewayWatch, restart_delay
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.receipts import read
+from overnight.coordinator.dispatch.gateway_watch import GatewayWatch, restart_delay
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.redisio.receipts import read
 from tests.helpers import OVERNIGHT, cli, pid_alive, task_file, wait_for, worker_env
 from tests.helpers import upstream as upstream  # a fixture
 

@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.gateway_grant import Grant
-from overnight.worker.receipts import read
-from overnight.worker.supervisor import StepSpec, SupervisedResult, run_supervised
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.gateway.grant import Grant
+from overnight.worker.redisio.receipts import read
+from overnight.worker.supervise.supervisor import StepSpec, SupervisedResult, run_supervised
 from tests.helpers import run_gateway
 from tests.helpers import upstream as upstream  # a fixture
 

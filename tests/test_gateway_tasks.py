@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.receipts import read
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.redisio.receipts import read
 from tests.helpers import cli, run_burst, task_file, worker_env
 from tests.helpers import upstream as upstream  # a fixture
 

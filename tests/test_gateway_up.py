@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.receipts import read
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.redisio.receipts import read
 from tests.helpers import OVERNIGHT, free_port, seen
 from tests.helpers import upstream as upstream  # a fixture
 

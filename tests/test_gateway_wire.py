@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from overnight.worker import gateway_wire as wire
-from overnight.worker.gateway import upstream_base
+from overnight.worker.gateway.server import upstream_base, wire
 
 
 @pytest.mark.parametrize(

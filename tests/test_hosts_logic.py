@@ -12,10 +12,10 @@ import redis
 from overnight.config import validate
 from overnight.config.keys import Keys
 from overnight.config.settings import ConfigError, load_settings
-from overnight.coordinator import rerun
-from overnight.worker.keeper import Keeper
-from overnight.worker.lease import LeaseDoc
-from overnight.worker.reaper_listen import Listener, wanted_flags
+from overnight.coordinator.dispatch import rerun
+from overnight.worker.lease.store import LeaseDoc
+from overnight.worker.reaper.listen import Listener, wanted_flags
+from overnight.worker.supervise.keeper import Keeper
 from tests.helpers import wait_for
 
 

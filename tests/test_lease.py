@@ -9,8 +9,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import receipts
-from overnight.worker.lease import (
+from overnight.worker.lease.store import (
     CONTRACT_FIELDS,
     STREAM_MAXLEN,
     LeaseCorrupt,
@@ -21,6 +20,7 @@ from overnight.worker.lease import (
     lapsed_reason,
     status_for,
 )
+from overnight.worker.redisio import receipts
 from tests.helpers import wait_for
 
 

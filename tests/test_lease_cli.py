@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from overnight.config.keys import Keys
 from overnight.config.settings import ConfigError, Settings, load_settings
 from overnight.config.validate import RULES, QuickSettings, read_fast
-from overnight.worker.cli_lease import quick_settings
-from overnight.worker.lease import Leases
+from overnight.coordinator.cli.lease import quick_settings
+from overnight.worker.lease.store import Leases
 from tests.helpers import OVERNIGHT
 
 
@@ -203,8 +203,8 @@ def test_the_hot_paths_import_neither_pydantic_nor_redis() -> None:
     """supervise's settings and beat's client: the rules are plain functions (config.validate)."""
     script = (
         "import sys\n"
-        "from overnight.worker.cli_lease import quick_settings\n"
-        "from overnight.worker.beatchannel import NoChannel, send_beat\n"
+        "from overnight.coordinator.cli.lease import quick_settings\n"
+        "from overnight.worker.beat.channel import NoChannel, send_beat\n"
         "s = quick_settings({'OVERNIGHT_HEARTBEAT_GAP': '2', 'OVERNIGHT_NAMESPACE': 'ns'})\n"
         "assert (s.heartbeat_gap, s.namespace) == (2.0, 'ns'), s\n"
         "try:\n    send_beat(environ={})\nexcept NoChannel:\n    pass\n"

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from overnight.worker import leasefile
-from overnight.worker.leasefile import FileBeat, asked
+from overnight.worker.lease import file as leasefile
+from overnight.worker.lease.file import FileBeat, asked
 from tests.helpers import OVERNIGHT, supervise, wait_for
 
 PY = sys.executable

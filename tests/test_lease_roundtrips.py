@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker.lease import LeaseRefused, Leases
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.lease.store import LeaseRefused, Leases
 
 
 def _leases(request: pytest.FixtureRequest, namespace: str) -> Leases:

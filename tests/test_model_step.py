@@ -26,7 +26,7 @@ def run_step(
     env: dict[str, str], cwd: Path, timeout: float = 20
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-P", "-m", "overnight.coordinator.model_step"],
+        [sys.executable, "-P", "-m", "overnight.coordinator.tasks.model_step"],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -89,7 +89,7 @@ def test_settings_on_stdin_not_in_the_environment(
     model_env: dict[str, str], tmp_path: Path
 ) -> None:
     """How a worker runs it: the environment names no URL and no key; stdin carries both."""
-    from overnight.coordinator.model_step import settings_line
+    from overnight.coordinator.tasks.model_step import settings_line
 
     with Model("ok") as model:
         line = settings_line({"OVERNIGHT_MODEL_URL": model.url, "OVERNIGHT_MODEL_API_KEY": SECRET,
@@ -98,7 +98,7 @@ def test_settings_on_stdin_not_in_the_environment(
         assert b"never" not in line
         env = {k: v for k, v in model_env.items() if not k.startswith("OVERNIGHT_MODEL")}
         proc = subprocess.run(
-            [sys.executable, "-P", "-m", "overnight.coordinator.model_step"],
+            [sys.executable, "-P", "-m", "overnight.coordinator.tasks.model_step"],
             cwd=tmp_path, env={**env, "OVERNIGHT_MODEL_SETTINGS": "stdin"}, input=line,
             capture_output=True, timeout=20, check=False,
         )  # fmt: skip
@@ -116,7 +116,7 @@ def test_bad_settings_on_stdin_exit_78_in_one_line(
     model_env: dict[str, str], tmp_path: Path, line: bytes
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "overnight.coordinator.model_step"],
+        [sys.executable, "-P", "-m", "overnight.coordinator.tasks.model_step"],
         cwd=tmp_path, env={**model_env, "OVERNIGHT_MODEL_SETTINGS": "stdin"}, input=line,
         capture_output=True, timeout=20, check=False,
     )  # fmt: skip

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from overnight.config import context
 from overnight.config.keys import Keys
-from overnight.coordinator.taskfile import TaskFileError, load, load_all
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.lease import Leases
+from overnight.coordinator.tasks.taskfile import TaskFileError, load, load_all
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.lease.store import Leases
 from tests.helpers import OVERNIGHT
 
 PY = sys.executable
@@ -72,7 +72,7 @@ ARGS = NASTY | st.text(SAFE_TEXT, max_size=40)
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """``overnight ARGS`` in this process, with fresh settings and clients each time."""
-    from overnight.coordinator.cli import main
+    from overnight.coordinator.cli.main import main
 
     context.settings.cache_clear()
     context.redis_client.cache_clear()

@@ -1,5 +1,5 @@
-"""``worker.pulse``: beat() and the pulse thread over the beat channel (no Redis involved),
-against a real :class:`~worker.beatchannel.Channel` served from a thread, and end to end
+"""``worker.beat.pulse``: beat() and the pulse thread over the beat channel (no Redis involved),
+against a real :class:`~worker.beat.channel.Channel` served from a thread, and end to end
 under ``overnight supervise``."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import pulse
-from overnight.worker.beatchannel import Beat, Channel
-from overnight.worker.lease import LeaseRefused, Leases
-from overnight.worker.procs import read_proc
+from overnight.worker.beat import pulse
+from overnight.worker.beat.channel import Beat, Channel
+from overnight.worker.lease.store import LeaseRefused, Leases
+from overnight.worker.supervise.procs import read_proc
 from tests.helpers import start, wait_for
 
 

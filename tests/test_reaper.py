@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import procs, proof
-from overnight.worker.lease import TERMINAL, LeaseDoc, LeaseRefused, Leases
-from overnight.worker.procs import TAG_VAR, scan
-from overnight.worker.reaper import RECEIPT_KIND, lease_tag, reap_once
-from overnight.worker.receipts import read
+from overnight.worker.lease.store import TERMINAL, LeaseDoc, LeaseRefused, Leases, proof
+from overnight.worker.reaper.reaper import RECEIPT_KIND, lease_tag, reap_once
+from overnight.worker.redisio.receipts import read
+from overnight.worker.supervise import procs
+from overnight.worker.supervise.procs import TAG_VAR, scan
 from tests.helpers import OVERNIGHT, kill_quietly, pid_alive, wait_for
 
 ENDINGS = ("lease_ended", RECEIPT_KIND)
@@ -274,7 +274,7 @@ def test_once_exits_zero_and_keeps_a_host_key(
 
 
 def test_redis_unreachable_at_start_is_exit_69_in_one_line(env: dict[str, str]) -> None:
-    from overnight.coordinator.embedded_redis import free_port
+    from overnight.coordinator.night.embedded_redis import free_port
 
     bad = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     done = subprocess.run(
@@ -387,7 +387,7 @@ def test_sigkilled_supervisor_leaves_nothing_behind(
 def test_reaper_survives_a_redis_outage(
     redis_factory: Callable[..., object], tmp_path: Path, env: dict[str, str], namespace: str
 ) -> None:
-    from overnight.coordinator.embedded_redis import EmbeddedRedis
+    from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 
     server = redis_factory()
     assert isinstance(server, EmbeddedRedis)

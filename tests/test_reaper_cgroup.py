@@ -19,10 +19,10 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import cgroup, proof
-from overnight.worker.lease import TERMINAL, Leases
-from overnight.worker.stepuser import StepUser
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.lease.store import TERMINAL, Leases, proof
+from overnight.worker.sandbox import cgroup
+from overnight.worker.sandbox.stepuser import StepUser
 from tests.helpers import OVERNIGHT, wait_for
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else "python3"

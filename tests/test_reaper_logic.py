@@ -11,11 +11,11 @@ import fakeredis
 import pytest
 
 from overnight.config.keys import Keys
-from overnight.worker import procs
-from overnight.worker.lease import LeaseDoc, Leases
-from overnight.worker.procs import TAG_VAR
-from overnight.worker.reaper import RECEIPT_KIND, Facts, decide, lease_tag, reap_once
-from overnight.worker.receipts import read
+from overnight.worker.lease.store import LeaseDoc, Leases
+from overnight.worker.reaper.reaper import RECEIPT_KIND, Facts, decide, lease_tag, reap_once
+from overnight.worker.redisio.receipts import read
+from overnight.worker.supervise import procs
+from overnight.worker.supervise.procs import TAG_VAR
 from tests.helpers import wait_for
 
 HOST = "here"
@@ -232,7 +232,7 @@ def test_run_keeps_going_after_a_failed_pass(
 ) -> None:
     import redis
 
-    from overnight.worker import reaper
+    from overnight.worker.reaper import reaper
 
     stop = threading.Event()
     calls: list[int] = []

@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker import procs, proof
-from overnight.worker.lease import TERMINAL, LeaseDoc, Leases
-from overnight.worker.reaper import RECEIPT_KIND
-from overnight.worker.receipts import read
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.lease.store import TERMINAL, LeaseDoc, Leases, proof
+from overnight.worker.reaper.reaper import RECEIPT_KIND
+from overnight.worker.redisio.receipts import read
+from overnight.worker.supervise import procs
 from tests.helpers import OVERNIGHT, kill_quietly, pid_alive, wait_for
 
 
@@ -212,7 +212,7 @@ def test_a_sigkilled_supervisor_is_still_reaped_through_its_proof(
 
 
 def test_the_reaper_never_signals_itself_or_its_ancestors(keys: Keys) -> None:
-    from overnight.worker.reaper_trees import LapsedTrees, Target
+    from overnight.worker.reaper.trees import LapsedTrees, Target
 
     me = procs.read_proc(os.getpid())
     assert me is not None
@@ -227,7 +227,7 @@ def test_the_reaper_never_signals_itself_or_its_ancestors(keys: Keys) -> None:
 def test_a_child_its_supervisor_never_recorded_is_reaped_through_the_proof(
     r: redis.Redis, keys: Keys
 ) -> None:
-    from overnight.worker.reaper import reap_once
+    from overnight.worker.reaper.reaper import reap_once
 
     leases = Leases(r, keys)
     doc = leases.acquire(budget_sec=600, gap_sec=0.2)

@@ -15,11 +15,11 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.config.settings import Settings, load_settings
-from overnight.coordinator.dispatch import RecoveryLead, recover
-from overnight.coordinator.states import State
-from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import Checkpoint, Next, Runner, TaskStore
-from overnight.worker import receipts
+from overnight.coordinator.dispatch.core import RecoveryLead, recover
+from overnight.coordinator.tasks.states import State
+from overnight.coordinator.tasks.store import Checkpoint, Next, Runner, TaskStore
+from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
+from overnight.worker.redisio import receipts
 from tests.helpers import wait_for
 
 RUNNER = Runner(host="h", pid=1, worker="w", job_id="j")

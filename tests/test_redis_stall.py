@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import redis
 
-from overnight.coordinator.embedded_redis import EmbeddedRedis
-from overnight.worker.clients import not_run, transient
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.worker.redisio.clients import not_run, transient
 from tests.helpers import OVERNIGHT, task_file, wait_for
 
 PY = sys.executable

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker import receipts
+from overnight.worker.redisio import receipts
 from tests.helpers import OVERNIGHT, ROOT, task_file, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -14,14 +14,16 @@ from typing import Any, ClassVar
 import pytest
 
 from overnight.config.stopat import StopAtError, parse_stop_at, stop_unix
-from overnight.coordinator import html_report, notify, stop
-from overnight.coordinator.metrics import Tally, lease_reason
-from overnight.coordinator.report_model import build, concurrency, ending_class
-from overnight.coordinator.states import QUEUED, State, legal
-from overnight.coordinator.steps import StepOutcome
-from overnight.coordinator.taskfile import TaskSpec
-from overnight.coordinator.taskrecord import Checkpoint, InFlight, Memory, TaskRecord, Verdict
-from overnight.worker.receipts import Receipt
+from overnight.coordinator.report import html as html_report
+from overnight.coordinator.report import notify
+from overnight.coordinator.report.metrics import Tally, lease_reason
+from overnight.coordinator.report.model import build, concurrency, ending_class
+from overnight.coordinator.tasks import stop
+from overnight.coordinator.tasks.record import Checkpoint, InFlight, Memory, TaskRecord, Verdict
+from overnight.coordinator.tasks.states import QUEUED, State, legal
+from overnight.coordinator.tasks.steps import StepOutcome
+from overnight.coordinator.tasks.taskfile import TaskSpec
+from overnight.worker.redisio.receipts import Receipt
 
 T0 = 1_800_000_000.0
 
@@ -385,7 +387,7 @@ def test_notify_to_nowhere_fails_quietly() -> None:
 def test_night_notifies_a_pause_once_and_ends_after_its_stop(tmp_path: Any) -> None:
     from overnight.config.keys import Keys
     from overnight.config.settings import load_settings
-    from overnight.coordinator.night import Night
+    from overnight.coordinator.night.ending import Night
 
     server = HTTPServer(("127.0.0.1", 0), Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()

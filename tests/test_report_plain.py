@@ -5,11 +5,11 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from overnight.coordinator.progress import PlainProgress, TaskRow
-from overnight.coordinator.report import render_plain
-from overnight.coordinator.states import State
-from overnight.coordinator.taskfile import TaskSpec
-from overnight.coordinator.taskrecord import Checkpoint, TaskRecord
+from overnight.coordinator.report.progress import PlainProgress, TaskRow
+from overnight.coordinator.report.view import render_plain
+from overnight.coordinator.tasks.record import Checkpoint, TaskRecord
+from overnight.coordinator.tasks.states import State
+from overnight.coordinator.tasks.taskfile import TaskSpec
 
 
 def record(tmp_path: Path, task_id: str, detail: str, endings: list[str]) -> TaskRecord:

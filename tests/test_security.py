@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
-from overnight.worker.envelope import CallEnvelope
-from overnight.worker.lease import LeaseRefused, Leases
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis, free_port
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.lease.store import LeaseRefused, Leases
 from tests.helpers import OVERNIGHT, task_file
 
 PY = sys.executable
@@ -193,7 +193,7 @@ CHILD = """
 import json, os, sys
 import redis
 from overnight.config.keys import Keys
-from overnight.worker.lease import LeaseRefused, Leases
+from overnight.worker.lease.store import LeaseRefused, Leases
 assert "OVERNIGHT_LEASE_TOKEN" not in os.environ and "OVERNIGHT_REDIS_URL" not in os.environ
 other, other_token, url, namespace = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 own = os.environ["OVERNIGHT_LEASE_ID"]

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.procs import hostname
+from overnight.worker.supervise.procs import hostname
 from tests.helpers import OVERNIGHT, plant_shadows, task_file, wait_for
 
 PY = sys.executable

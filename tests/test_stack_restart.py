@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from overnight.coordinator.stack import MAX_RESTARTS, Stack
+from overnight.coordinator.night.stack import MAX_RESTARTS, Stack
 from tests.helpers import wait_for
 
 

@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.task_tokens import ledger_tokens, with_tokens
-from overnight.worker.receipts import Receipt, emit
+from overnight.coordinator.report.tokens import ledger_tokens, with_tokens
+from overnight.worker.redisio.receipts import Receipt, emit
 from tests.helpers import OVERNIGHT, task_file
 
 

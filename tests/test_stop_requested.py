@@ -14,16 +14,21 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator import stop
-from overnight.coordinator.dispatch import stoppable
-from overnight.coordinator.logs import expired_logs, prune_task_logs
-from overnight.coordinator.loop import LoopConfig, TaskLoop
-from overnight.coordinator.states import QUEUED
-from overnight.coordinator.steps import StepOutcome, StepRequest, alarm_ends_step, plain_runner
-from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskrecord import Checkpoint, InFlight
-from overnight.coordinator.taskstore import Runner, TaskStore
-from overnight.worker import receipts
+from overnight.coordinator.dispatch.core import stoppable
+from overnight.coordinator.report.logs import expired_logs, prune_task_logs
+from overnight.coordinator.tasks import stop
+from overnight.coordinator.tasks.loop import LoopConfig, TaskLoop
+from overnight.coordinator.tasks.record import Checkpoint, InFlight
+from overnight.coordinator.tasks.states import QUEUED
+from overnight.coordinator.tasks.steps import (
+    StepOutcome,
+    StepRequest,
+    alarm_ends_step,
+    plain_runner,
+)
+from overnight.coordinator.tasks.store import Runner, TaskStore
+from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
+from overnight.worker.redisio import receipts
 
 T0 = 1_700_000_000.0
 
@@ -232,8 +237,8 @@ TWO_TERMS = (
 
 
 def test_up_forces_the_stop_of_a_worker_still_busy_after_the_grace(tmp_path: Path) -> None:
-    from overnight.coordinator.stack import Stack
-    from overnight.coordinator.up import WARM_MARGIN, stop_workers
+    from overnight.coordinator.night.stack import Stack
+    from overnight.coordinator.night.up import WARM_MARGIN, stop_workers
     from tests.helpers import wait_for
 
     stack = Stack(env=dict(os.environ), state_dir=tmp_path, grace=0.0)

@@ -21,10 +21,10 @@ import redis
 from rq import Worker
 
 from overnight.config.keys import Keys
-from overnight.coordinator.states import QUEUED
-from overnight.coordinator.taskstore import TaskRecord, TaskStore
-from overnight.worker import receipts
-from overnight.worker.lease import Leases
+from overnight.coordinator.tasks.states import QUEUED
+from overnight.coordinator.tasks.store import TaskRecord, TaskStore
+from overnight.worker.lease.store import Leases
+from overnight.worker.redisio import receipts
 from tests.helpers import OVERNIGHT, assert_all_gone, kill_quietly, pid_alive, task_file, wait_for
 
 PY = sys.executable

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.lease import CONTRACT_FIELDS, Leases
+from overnight.worker.lease.store import CONTRACT_FIELDS, Leases
 from tests.helpers import (
     OVERNIGHT,
     assert_all_gone,
@@ -138,7 +138,7 @@ def test_overnight_beat_keeps_a_silent_child_alive(env: dict[str, str]) -> None:
 
 def test_pulse_keeps_a_silent_child_alive(env: dict[str, str]) -> None:
     script = (
-        "import time\nfrom overnight.worker.pulse import pulse\n"
+        "import time\nfrom overnight.worker.beat import pulse\n"
         "with pulse() as p:\n    time.sleep(2.5)\n"
         "assert p.beats >= 3 and p.refused is None, p.beats\n"
     )
@@ -295,7 +295,7 @@ def test_redis_blink_shorter_than_the_gap_costs_nothing(
 
 
 def test_redis_unreachable_at_start_exits_69(env: dict[str, str]) -> None:
-    from overnight.coordinator.embedded_redis import free_port
+    from overnight.coordinator.night.embedded_redis import free_port
 
     env = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     proc = subprocess.run([OVERNIGHT, "supervise", "--", "true"], env=env,

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import textwrap
 
-from overnight.worker import tree
+from overnight.worker.supervise import tree
 
 PY = sys.executable
 
 PRELUDE = """
 import os, subprocess, sys, time
-from overnight.worker import tree
+from overnight.worker.supervise import tree
 
 def spawn(argv):
     proc = subprocess.Popen(argv, start_new_session=True)

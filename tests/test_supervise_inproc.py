@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.embedded_redis import EmbeddedRedis, free_port
-from overnight.worker import tree
-from overnight.worker.lease import LeaseDoc, LeaseRefused
-from overnight.worker.receipts import SURVIVORS, read
-from overnight.worker.supervisor import StepSpec, SupervisedResult, run_supervised, url_of
+from overnight.coordinator.night.embedded_redis import EmbeddedRedis, free_port
+from overnight.worker.lease.store import LeaseDoc, LeaseRefused
+from overnight.worker.redisio.receipts import SURVIVORS, read
+from overnight.worker.supervise import tree
+from overnight.worker.supervise.supervisor import StepSpec, SupervisedResult, run_supervised, url_of
 from tests.helpers import assert_all_gone, pid_alive, read_pids
 
 PY = sys.executable

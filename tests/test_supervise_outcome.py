@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import redis
 
-from overnight.worker import outcome
-from overnight.worker.keeper import Keeper
-from overnight.worker.lease import LeaseDoc, LeaseRefused
+from overnight.worker.lease.store import LeaseDoc, LeaseRefused
+from overnight.worker.supervise import outcome
+from overnight.worker.supervise.keeper import Keeper
 
 
 @pytest.mark.parametrize(

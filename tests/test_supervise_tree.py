@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from overnight.worker import procs, tree
+from overnight.worker.supervise import procs, tree
 from tests.helpers import (
     assert_all_gone,
     final_doc,
@@ -236,7 +236,8 @@ def test_group_members_count_only_while_the_root_is_the_same_process() -> None:
 
 def test_subreaper_can_be_set_and_unset() -> None:
     script = (
-        "from overnight.worker.tree import set_child_subreaper as s, is_child_subreaper as i\n"
+        "from overnight.worker.supervise.tree import set_child_subreaper as s\n"
+        "from overnight.worker.supervise.tree import is_child_subreaper as i\n"
         "print(i(), s(), s(), i(), s(False), i())"
     )
     code = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=30)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from overnight.coordinator.judge import (
+from overnight.coordinator.tasks.judge import (
     STUCK_TURNS,
     begin,
     expired,
@@ -18,10 +18,10 @@ from overnight.coordinator.judge import (
     refused,
     request_id,
 )
-from overnight.coordinator.states import PAUSED, QUEUED, RUNNING, State
-from overnight.coordinator.steps import StepOutcome
-from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskrecord import AgentResult, Checkpoint, InFlight, RuleResult
+from overnight.coordinator.tasks.record import AgentResult, Checkpoint, InFlight, RuleResult
+from overnight.coordinator.tasks.states import PAUSED, QUEUED, RUNNING, State
+from overnight.coordinator.tasks.steps import StepOutcome
+from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
 
 NOW = 1_000_000.0
 DEADLINE = NOW + 100

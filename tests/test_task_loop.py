@@ -12,11 +12,17 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.loop import CallRefused, LoopConfig, ServerClock, TaskLoop, build_prompt
-from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
-from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import Begun, Memory, Runner, TaskStore
-from overnight.worker import receipts
+from overnight.coordinator.tasks.loop import (
+    CallRefused,
+    LoopConfig,
+    ServerClock,
+    TaskLoop,
+    build_prompt,
+)
+from overnight.coordinator.tasks.steps import StepOutcome, StepRequest, plain_runner
+from overnight.coordinator.tasks.store import Begun, Memory, Runner, TaskStore
+from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
+from overnight.worker.redisio import receipts
 
 PY = sys.executable
 real_time = time.time

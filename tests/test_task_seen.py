@@ -12,15 +12,15 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.judge import ending
-from overnight.coordinator.logs import print_logs, step_files, task_folder
-from overnight.coordinator.loop import CallRefused, LoopConfig, TaskLoop
-from overnight.coordinator.report import status_dict
-from overnight.coordinator.states import TRANSITIONS, State
-from overnight.coordinator.steps import plain_runner, start_problem
-from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import Runner, TaskStore
-from overnight.worker import receipts
+from overnight.coordinator.report.logs import print_logs, step_files, task_folder
+from overnight.coordinator.report.view import status_dict
+from overnight.coordinator.tasks.judge import ending
+from overnight.coordinator.tasks.loop import CallRefused, LoopConfig, TaskLoop
+from overnight.coordinator.tasks.states import TRANSITIONS, State
+from overnight.coordinator.tasks.steps import plain_runner, start_problem
+from overnight.coordinator.tasks.store import Runner, TaskStore
+from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
+from overnight.worker.redisio import receipts
 
 PY = sys.executable
 

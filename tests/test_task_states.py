@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.states import (
+from overnight.coordinator.tasks.states import (
     LIVE,
     SETTLED,
     TERMINAL,
@@ -22,8 +22,7 @@ from overnight.coordinator.states import (
     legal,
     lua_prelude,
 )
-from overnight.coordinator.taskfile import Rule, TaskSpec
-from overnight.coordinator.taskstore import (
+from overnight.coordinator.tasks.store import (
     Checkpoint,
     InFlight,
     Next,
@@ -32,6 +31,7 @@ from overnight.coordinator.taskstore import (
     TaskRefused,
     TaskStore,
 )
+from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
 
 TOKEN = "tok"
 LUA = Path(__file__).resolve().parent.parent / "coordinator" / "lua"
@@ -67,7 +67,7 @@ def test_the_sets() -> None:
         ("save", "running", "agent_failed", True),
         ("save", "running", "paused_for_reconciliation", True),
         ("save", "running", "aborted", False),
-        ("save", "running", "queued", True),  # the night ended (coordinator.stop)
+        ("save", "running", "queued", True),  # the night ended (coordinator.tasks.stop)
         ("save", "finished_verified", "finished_verified", False),
         ("orphan", "running", "queued", True),
         ("orphan", "running", "expired", True),

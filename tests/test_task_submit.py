@@ -9,7 +9,7 @@ from pathlib import Path
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.taskfile import TaskFileError, load
+from overnight.coordinator.tasks.taskfile import TaskFileError, load
 from tests.helpers import OVERNIGHT
 
 GOOD = """

@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overnight.coordinator.taskfile import TaskFileError, TaskSpec, load, load_all
+from overnight.coordinator.tasks.taskfile import TaskFileError, TaskSpec, load, load_all
 
 KEYS = [
     "id", "assignment", "workdir", "agent", "max_calls", "lease_seconds", "heartbeat_gap",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from overnight.coordinator.text import printable
+from overnight.coordinator.report.text import printable
 
 CASES = [
     ("plain ascii", "plain ascii"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from overnight.worker import procs
+from overnight.worker.supervise import procs
 from tests.helpers import OVERNIGHT, ROOT, wait_for
 
 EXPECTED = {
@@ -137,7 +137,7 @@ def test_the_namespace_lock_is_one_holder_at_a_time_and_renewed(
 ) -> None:
     from overnight.config.exits import EXIT_REFUSED, CommandError
     from overnight.config.keys import Keys
-    from overnight.coordinator.up import INSTANCE_TTL_MS, _claim_instance, _renew_instance
+    from overnight.coordinator.night.up import INSTANCE_TTL_MS, _claim_instance, _renew_instance
 
     keys = Keys(namespace)
     first = _claim_instance(r, keys, "host-a:1:x")

@@ -17,14 +17,14 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator import workspace
-from overnight.coordinator.judge import PROTECTED_RULE
-from overnight.coordinator.loop import LoopConfig, TaskLoop
-from overnight.coordinator.report import status_dict
-from overnight.coordinator.steps import StepOutcome, StepRequest, plain_runner
-from overnight.coordinator.taskfile import TaskFileError, load
-from overnight.coordinator.taskstore import Runner, TaskRecord, TaskStore
-from overnight.worker import receipts
+from overnight.coordinator.report.view import status_dict
+from overnight.coordinator.tasks.judge import PROTECTED_RULE
+from overnight.coordinator.tasks.loop import LoopConfig, TaskLoop
+from overnight.coordinator.tasks.steps import StepOutcome, StepRequest, plain_runner
+from overnight.coordinator.tasks.store import Runner, TaskRecord, TaskStore
+from overnight.coordinator.tasks.taskfile import TaskFileError, load
+from overnight.coordinator.workspace import worktree as workspace
+from overnight.worker.redisio import receipts
 from tests.helpers import wait_for
 from tests.repos import BUGGY, CHECK, FIX, FIXED, TAMPERS, TEST, make_repo, sh, task_toml
 
@@ -290,7 +290,7 @@ def test_prune_removes_ended_worktrees_only(r: redis.Redis, namespace: str, tmp_
     rec = run(r, namespace, tmp_path, task_toml(repo, FIX))
     tree = workspace.worktree_path(tmp_path / "state", namespace, rec.id, rec.run)
     assert tree.is_dir()
-    from overnight.coordinator.taskspace import prune
+    from overnight.coordinator.workspace.taskspace import prune
 
     store = TaskStore(r, Keys(namespace))
     (tree / "scratch.txt").write_text("uncommitted")
@@ -391,7 +391,7 @@ def test_a_lost_worktree_is_made_again_on_the_task_branch(tmp_path: Path) -> Non
 def test_prune_removes_a_frozen_tree_a_dead_worker_left(
     r: redis.Redis, namespace: str, tmp_path: Path
 ) -> None:
-    from overnight.coordinator.taskspace import frozen_path, prune
+    from overnight.coordinator.workspace.taskspace import frozen_path, prune
 
     folder = tmp_path / "plain"
     folder.mkdir()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from overnight.worker.stepuser import StepUser
+from overnight.worker.sandbox.stepuser import StepUser
 from tests.helpers import OVERNIGHT
 from tests.repos import FIX, FIXED, TAMPERS, make_repo, sh, task_toml
 

@@ -1,5 +1,5 @@
 -- `overnight reconcile --abort`: a live task ends as aborted; a running holder loses its claim.
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] receipt stream   KEYS[4] claim index (zset)
 -- KEYS[5] queued index (zset)   KEYS[6] ended index (zset)   KEYS[7] charged set
 -- ARGV[1] detail   ARGV[2] receipt stream maxlen   ARGV[3] receipt body (task_state)

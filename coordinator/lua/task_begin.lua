@@ -1,7 +1,7 @@
 -- The claim holder begins a step: it charges the step's call to the task's own max_calls
 -- (once per request id, so a step run again is not charged again) and checkpoints the step
 -- as in flight, in one write.
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] charged request ids (set)
 -- ARGV[1] claim token   ARGV[2] request id   ARGV[3] max_calls   ARGV[4] checkpoint JSON
 -- Returns {1, calls_used, now} (now: Redis server time, as written) or {0, reason}: lost (the

@@ -1,5 +1,5 @@
 -- A worker takes a queued task for one attempt; the claim key lapses if the worker dies.
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] receipt stream
 -- KEYS[4] claim index (zset)   KEYS[5] queued index (zset)
 -- ARGV[1] attempt   ARGV[2] claim token   ARGV[3] claim TTL (ms)   ARGV[4] runner JSON

@@ -1,5 +1,5 @@
 -- Create a batch of tasks at once, or none if any id names a task that may not be replaced.
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task index (zset)   KEYS[2] receipt stream   KEYS[3] queued index (zset)
 -- KEYS[4] ended index (zset)
 -- KEYS[3i+2], KEYS[3i+3], KEYS[3i+4] task hash, claim key, charged set of task i (i = 1..n)

@@ -1,5 +1,5 @@
 -- Recovery: a running task whose claim lapsed (its worker died) is re-queued, paused or expired.
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] receipt stream   KEYS[4] claim index (zset)
 -- KEYS[5] queued index (zset)   KEYS[6] ended index (zset)   KEYS[7] charged set
 -- ARGV[1] attempt read with the checkpoint   ARGV[2] target state

@@ -1,5 +1,5 @@
 -- `overnight reconcile --resume`: a paused task is queued again for a new attempt.
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] receipt stream   KEYS[3] queued index (zset)
 -- ARGV[1] attempt read with the checkpoint   ARGV[2] checkpoint JSON   ARGV[3] new attempt
 -- ARGV[4] receipt stream maxlen   ARGV[5] receipt body (task_state)   ARGV[6] task id

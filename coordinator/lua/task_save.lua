@@ -1,5 +1,5 @@
 -- The claim holder checkpoints a running task, and may move it on (end it, or pause it).
--- LEGAL, TERMINAL: this script's rows of overnight.coordinator.states, compiled in above.
+-- LEGAL, TERMINAL: this script's rows of overnight.coordinator.tasks.states, compiled in above.
 -- KEYS[1] task hash   KEYS[2] claim key   KEYS[3] receipt stream   KEYS[4] claim index (zset)
 -- KEYS[5] ended index (zset)   KEYS[6] charged request ids (set)   KEYS[7] queued index (zset)
 -- ARGV[1] claim token   ARGV[2] checkpoint JSON   ARGV[3] target state ('running' = it goes on)

@@ -22,7 +22,7 @@ local lapse = math.min(now + tonumber(doc[4]), deadline)
 if redis.call('PEXPIRE', KEYS[2], math.max(1, math.floor((lapse - now) * 1000))) == 0 then
   return {0, 'lapsed'}
 end
--- The lapse moves by at least gap/3 a beat (worker.keeper), so the index always moves too.
+-- The lapse moves by at least gap/3 a beat (worker.supervise.keeper), so the index always moves too.
 redis.call('ZADD', KEYS[3], string.format('%.0f', lapse * 1000), doc[5])
 if ARGV[2] == '1' then
   redis.call('HSET', KEYS[1], 'heartbeat_unix', string.format('%.6f', now), 'note', ARGV[3])

@@ -1,0 +1,3 @@
+"""What the morning reads: status, the report model and its HTML, logs, metrics, notifications,
+progress.
+"""

@@ -1,0 +1,466 @@
+"""The morning report as data: a pure function from (task records, receipts, envelope states,
+now) to a :class:`Report`, which :mod:`coordinator.report.html` renders.
+
+Nothing here reads Redis, git or the clock. Parts of a task card appear only when their data
+exists (see :class:`Card`): the worktree fields of the checkpoint (``branch``, ``head``,
+``diffstat``, ``protected_changed``), a diff handed in by the caller, and the gateway's
+``model_call`` receipts (``tokens``, ``input_tokens``, ``output_tokens``, ``tool_calls``,
+``model_units``, ``refunded``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from overnight.coordinator.tasks.record import TaskRecord
+from overnight.coordinator.tasks.states import PAUSED, TERMINAL, State
+from overnight.worker.redisio.receipts import Receipt
+
+# How a step's lease ended, as the timeline colours it.
+CLEAN, FAILED, GAP, DEADLINE, REFUSED, STOP, KILLED, LOST, RUNNING = (
+    "clean",
+    "failed",
+    "gap",
+    "deadline",
+    "refused",
+    "stop",
+    "killed",
+    "lost",
+    "running",
+)
+ENDINGS = (CLEAN, FAILED, GAP, DEADLINE, REFUSED, STOP, KILLED, LOST, RUNNING)
+LEASE_ENDS = ("lease_ended", "subprocess_lease_expired")
+
+
+def ending_class(status: str, note: str, *, stopped: bool = False, refused: bool = False) -> str:
+    """How a step's lease ended, from its final status and note (contract section 2):
+    a clean exit (0, or a verifier's failing exit: ``failed``), a heartbeat-gap kill, the
+    deadline, a refused call, a stop the user asked for, another kill, a lease the reaper
+    ended (``lost``), or still ``running``."""
+    if stopped:
+        return STOP
+    if refused or note.startswith("call-refused"):
+        return REFUSED
+    if status == "running" or not status:
+        return RUNNING
+    if status == "done":
+        return CLEAN
+    if note.startswith("reaped:"):
+        return LOST if "host-lost" in note else (DEADLINE if status == "expired" else GAP)
+    if re.fullmatch(r"worker-exit-\d+", note):
+        return FAILED
+    if note.startswith("heartbeat-gap"):
+        return GAP
+    if status == "expired" or note == "budget-exceeded":
+        return DEADLINE
+    return KILLED
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One step under a lease: an agent step (``kind`` "agent") or a verifier run."""
+
+    task_id: str
+    kind: str
+    name: str
+    turn: int | None
+    start: float
+    end: float
+    ending: str
+    status: str = ""
+    note: str = ""
+    said: str = ""  # the loop's words for an ending that was not a clean exit
+    exit_code: int | None = None
+    host: str = ""
+    worker: str = ""
+    lease_id: str = ""
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point event on a task's lane: a pause, a retry after a lost worker, a refused call,
+    a requested stop, a verdict."""
+
+    task_id: str
+    at: float
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the gateway metered for one task (from its ``model_call`` receipts)."""
+
+    requests: int = 0
+    model_units: int = 0
+    tool_calls: int = 0
+    tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    refunded: int = 0
+    failed: int = 0  # answered with an HTTP status >= 400
+
+
+@dataclass(frozen=True)
+class Card:
+    """One task: its state and why, its counts, its last verdict and the failing rule's
+    evidence; ``branch``/``diffstat``/``diff``/``protected_changed``/``ledger`` are empty or
+    None when the data does not exist."""
+
+    task_id: str
+    state: str
+    detail: str
+    assignment: str
+    turns: int
+    calls_used: int
+    max_calls: int
+    envelope: str
+    attempt: int
+    started: float | None
+    ended: float | None
+    verdict_turn: int | None = None
+    passed: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    failing_rule: str = ""
+    evidence: str = ""
+    endings: tuple[str, ...] = ()
+    branch: str = ""
+    head: str = ""
+    diffstat: str = ""
+    diff: str = ""
+    protected_changed: tuple[str, ...] = ()
+    ledger: Ledger | None = None
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class EnvelopeView:
+    """An envelope's budget against what was used (tokens when metered)."""
+
+    name: str
+    exists: bool
+    budget: int
+    remaining: int
+    consumed_model: int
+    consumed_tool: int
+    consumed_tokens: int = 0
+    max_tokens: int | None = None
+    burn: tuple[tuple[float, int], ...] = ()  # (time, calls spent so far), from receipts
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Something a person must look at: which task and why."""
+
+    task_id: str
+    what: str  # paused | tampering | agent_failed | survivors
+    text: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything the morning page shows."""
+
+    namespace: str
+    generated: float
+    start: float
+    end: float
+    counts: dict[str, int]
+    attention: tuple[Attention, ...]
+    envelopes: tuple[EnvelopeView, ...]
+    bars: tuple[Bar, ...]
+    marks: tuple[Mark, ...]
+    cards: tuple[Card, ...]
+    concurrency: tuple[tuple[float, int], ...]
+    workers: tuple[str, ...] = field(default=())
+
+    @property
+    def wall_sec(self) -> float:
+        return max(0.0, self.end - self.start)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def build(
+    records: Iterable[TaskRecord],
+    receipts: Iterable[Receipt],
+    envelopes: Mapping[str, Mapping[str, Any]],
+    now: float,
+    *,
+    namespace: str = "",
+    diffs: Mapping[str, str] | None = None,
+) -> Report:
+    """The report of ``records`` as ``receipts`` tell it, with each envelope's state
+    (``CallEnvelope.snapshot().model_dump()`` by name) at ``now``. ``diffs`` maps a task id to
+    its branch's diff against its base, when the caller could compute it."""
+    recs = sorted(records, key=lambda r: (r.submitted_unix, r.id))
+    ids = {r.id for r in recs}
+    rcs = [rc for rc in receipts if rc.task_id is None or rc.task_id in ids]
+    bars, workers = _bars(recs, rcs, now)
+    marks = _marks(rcs)
+    cards = tuple(_card(r, rcs, (diffs or {}).get(r.id, ""), bars) for r in recs)
+    counts: dict[str, int] = {}
+    for rec in recs:
+        counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
+    times = [r.submitted_unix for r in recs] + [b.start for b in bars]
+    start = min(times) if times else now
+    finished = all(r.state in TERMINAL | {PAUSED} for r in recs) and recs
+    ends = [r.ended_unix or r.updated_unix or r.submitted_unix for r in recs] + [
+        b.end for b in bars
+    ]
+    end = max(ends) if finished and ends else now
+    task_env = {r.id: r.spec.envelope for r in recs}
+    return Report(
+        namespace=namespace,
+        generated=now,
+        start=start,
+        end=max(start, end),
+        counts=counts,
+        attention=tuple(_attention(recs, rcs)),
+        envelopes=tuple(
+            _envelope(name, envelopes.get(name, {}), rcs, bars, task_env)
+            for name in sorted(set(task_env.values()) | set(envelopes))
+        ),
+        bars=tuple(bars),
+        marks=tuple(marks),
+        cards=cards,
+        concurrency=concurrency(bars),
+        workers=tuple(workers),
+    )
+
+
+def _bars(recs: list[TaskRecord], rcs: list[Receipt], now: float) -> tuple[list[Bar], list[str]]:
+    running = {r.id for r in recs if r.state == State.RUNNING}
+    flights = {r.id: r.checkpoint.in_flight for r in recs if r.checkpoint.in_flight}
+    starts: dict[str, Receipt] = {}
+    ends: dict[str, Receipt] = {}
+    finished: dict[str, Receipt] = {}
+    refused: set[str] = set()
+    claims: dict[str, list[tuple[float, str]]] = {}
+    for rc in rcs:
+        lease = rc.lease_id or ""
+        if rc.kind == "lease_acquired" and rc.task_id and lease:
+            starts[lease] = rc
+        elif rc.kind in LEASE_ENDS and lease:
+            ends.setdefault(lease, rc)
+        elif rc.kind == "step_finished" and lease:
+            finished[lease] = rc
+        elif rc.kind == "call_refused" and lease:
+            refused.add(lease)
+        elif rc.kind == "task_state" and rc.task_id and rc.data.get("state") == State.RUNNING:
+            worker = str(rc.data.get("worker") or rc.host)
+            claims.setdefault(rc.task_id, []).append((rc.ts, worker))
+    bars = []
+    for lease, rc in starts.items():
+        task_id = str(rc.task_id)
+        end_rc, step_rc = ends.get(lease), finished.get(lease)
+        step = step_rc.data if step_rc is not None else {}
+        status = str(end_rc.data.get("status", "")) if end_rc is not None else ""
+        note = str(end_rc.data.get("note", "")) if end_rc is not None else ""
+        if end_rc is not None:
+            end = end_rc.ts
+        elif step_rc is not None:
+            end = step_rc.ts
+            status, note = str(step.get("status", "")), str(step.get("note", ""))
+        else:
+            end = now
+        ending = ending_class(
+            status, note, stopped=bool(step.get("stopped")), refused=lease in refused
+        )
+        if ending == RUNNING and task_id not in running:
+            ending = LOST
+        flight = flights.get(task_id) if step_rc is None else None
+        name = str(step.get("step", "")) or (flight.name if flight else "") or "step"
+        turn = step.get("turn", flight.turn if flight else None)
+        worker = next((w for t, w in reversed(claims.get(task_id, [])) if t <= rc.ts + 1e-3), "")
+        bars.append(
+            Bar(
+                task_id=task_id,
+                kind="agent" if name == "agent" else "verifier",
+                name=name,
+                turn=_int(turn) if turn is not None else None,
+                start=rc.ts,
+                end=max(rc.ts, end),
+                ending=ending,
+                status=status,
+                note=note,
+                said=str(step.get("ending", "")),
+                exit_code=_int(step.get("exit_code"), 0)
+                if step.get("exit_code") is not None
+                else None,
+                host=rc.host,
+                worker=worker or rc.host,
+                lease_id=lease,
+            )
+        )
+    bars.sort(key=lambda b: (b.start, b.task_id))
+    workers = sorted({b.worker for b in bars})
+    return bars, workers
+
+
+def _marks(rcs: list[Receipt]) -> list[Mark]:
+    out = []
+    for rc in rcs:
+        if not rc.task_id:
+            continue
+        data = rc.data
+        if rc.kind == "task_state":
+            state = str(data.get("state", ""))
+            if state == PAUSED:
+                out.append(Mark(rc.task_id, rc.ts, "pause", str(data.get("detail", ""))))
+            elif state == State.QUEUED and data.get("recovered"):
+                out.append(Mark(rc.task_id, rc.ts, "retry", str(data.get("detail", ""))))
+        elif rc.kind == "call_refused":
+            out.append(Mark(rc.task_id, rc.ts, "refused", str(data.get("detail", ""))))
+        elif rc.kind == "task_stopped":
+            out.append(Mark(rc.task_id, rc.ts, "stop", str(data.get("detail", ""))))
+        elif rc.kind == "verdict":
+            failed = data.get("failed") or []
+            text = "every rule passed" if not failed else "failing: " + ", ".join(map(str, failed))
+            out.append(Mark(rc.task_id, rc.ts, "verdict", f"turn {data.get('turn')}: {text}"))
+    return out
+
+
+def _ledger(task_id: str, rcs: list[Receipt]) -> Ledger | None:
+    calls = [rc.data for rc in rcs if rc.kind == "model_call" and rc.task_id == task_id]
+    if not calls:
+        return None
+    return Ledger(
+        requests=len(calls),
+        model_units=sum(_int(d.get("model_units"), 1) for d in calls),
+        tool_calls=sum(_int(d.get("tool_calls")) for d in calls),
+        tokens=sum(_int(d.get("tokens")) for d in calls),
+        input_tokens=sum(_int(d.get("input_tokens")) for d in calls),
+        output_tokens=sum(_int(d.get("output_tokens")) for d in calls),
+        refunded=sum(1 for d in calls if d.get("refunded")),
+        failed=sum(1 for d in calls if _int(d.get("status")) >= 400),
+    )
+
+
+def _card(rec: TaskRecord, rcs: list[Receipt], diff: str, bars: list[Bar]) -> Card:
+    cp = rec.checkpoint
+    verdict = cp.last_verdict
+    memory = cp.memory
+    return Card(
+        task_id=rec.id,
+        state=rec.state.value,
+        detail=rec.detail,
+        assignment=rec.spec.assignment,
+        turns=rec.turns,
+        calls_used=rec.calls_used,
+        max_calls=rec.spec.max_calls,
+        envelope=rec.spec.envelope,
+        attempt=rec.attempt,
+        started=rec.started_unix,
+        ended=rec.ended_unix,
+        verdict_turn=verdict.turn if verdict else None,
+        passed=tuple(verdict.passed) if verdict else (),
+        failed=tuple(verdict.failed) if verdict else (),
+        failing_rule=memory.rule if memory and verdict and verdict.failed else "",
+        evidence=memory.evidence if memory and verdict and verdict.failed else "",
+        endings=tuple(cp.endings),
+        branch=cp.branch or "",
+        head=cp.head or "",
+        diffstat=cp.diffstat,
+        diff=diff,
+        protected_changed=tuple(cp.protected_changed),
+        ledger=_ledger(rec.id, rcs),
+        steps=sum(1 for b in bars if b.task_id == rec.id),
+    )
+
+
+def _attention(recs: list[TaskRecord], rcs: list[Receipt]) -> list[Attention]:
+    out = []
+    for rec in recs:
+        if rec.state == PAUSED:
+            out.append(Attention(rec.id, "paused", rec.detail or "paused for reconciliation"))
+        if rec.state == State.AGENT_FAILED:
+            out.append(Attention(rec.id, "agent_failed", rec.detail or "the agent could not start"))
+        if rec.checkpoint.protected_changed:
+            paths = ", ".join(rec.checkpoint.protected_changed)
+            out.append(Attention(rec.id, "tampering", f"changed protected paths: {paths}"))
+    for rc in rcs:
+        if rc.kind == "lease_survivors" and rc.task_id:
+            pids = rc.data.get("pids") or []
+            out.append(
+                Attention(
+                    rc.task_id, "survivors", f"{len(pids)} processes outlived their lease's kill"
+                )
+            )
+    return out
+
+
+def _envelope(
+    name: str,
+    state: Mapping[str, Any],
+    rcs: list[Receipt],
+    bars: list[Bar],
+    task_env: Mapping[str, str],
+) -> EnvelopeView:
+    resets = [
+        rc for rc in rcs if rc.kind == "envelope_reset" and rc.data.get("envelope", name) == name
+    ]
+    since = resets[-1].ts if resets else float("-inf")
+    ledger_tasks = {rc.task_id for rc in rcs if rc.kind == "model_call"}
+    spends: list[tuple[float, int]] = []
+    for bar in bars:
+        if task_env.get(bar.task_id) != name or bar.start < since:
+            continue
+        if bar.kind == "agent" and bar.task_id in ledger_tasks:
+            continue  # metered per request below
+        spends.append((bar.start, 1))
+    for rc in rcs:
+        if rc.kind == "model_call" and rc.task_id and task_env.get(rc.task_id) == name:
+            units = _int(rc.data.get("model_units"), 1) + _int(rc.data.get("tool_units_charged"))
+            if units and rc.ts >= since:
+                spends.append((rc.ts, units))
+    spends.sort()
+    burn: list[tuple[float, int]] = [(since, 0)] if resets else []
+    total = 0
+    for at, units in spends:
+        total += units
+        burn.append((at, total))
+    consumed_model = _int(state.get("consumed_model"))
+    consumed_tool = _int(state.get("consumed_tool"))
+    remaining = _int(state.get("remaining"))
+    budget = _int(state.get("budget")) or remaining + consumed_model + consumed_tool
+    return EnvelopeView(
+        name=name,
+        exists=bool(state.get("exists", bool(state))),
+        budget=budget,
+        remaining=remaining,
+        consumed_model=consumed_model,
+        consumed_tool=consumed_tool,
+        consumed_tokens=_int(state.get("consumed_tokens")),
+        max_tokens=_int(state["max_tokens"]) if state.get("max_tokens") is not None else None,
+        burn=tuple(burn),
+    )
+
+
+def concurrency(bars: Iterable[Bar]) -> tuple[tuple[float, int], ...]:
+    """How many steps ran at once: (time, count from then on), one point per change."""
+    edges = sorted(
+        [(b.start, 1) for b in bars] + [(b.end, -1) for b in bars], key=lambda e: (e[0], e[1])
+    )
+    out: list[tuple[float, int]] = []
+    level = 0
+    for at, delta in edges:
+        level += delta
+        if out and out[-1][0] == at:
+            out[-1] = (at, level)
+        else:
+            out.append((at, level))
+    return tuple(out)
+
+
+def needs_person(report: Report) -> list[dict[str, str]]:
+    """The ``attention`` list as JSON rows (for the notification)."""
+    return [{"task": a.task_id, "what": a.what, "text": a.text} for a in report.attention]

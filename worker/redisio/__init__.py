@@ -1,0 +1,1 @@
+"""Redis plumbing shared by the worker's packages: clients, Lua script loading, receipts."""

@@ -1,0 +1,1 @@
+"""What a step runs inside: its user, its environment, its cgroup."""

@@ -1,0 +1,3 @@
+"""Running one command under one lease: the child, the keeper, output, outcomes, process trees and
+signals.
+"""

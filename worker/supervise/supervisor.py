@@ -1,0 +1,435 @@
+"""Running one command under one lease: beats, lapse detection, fail-closed, and the tree kill.
+
+The loop waits on everything at once (``select.poll``): the child's pidfd, its output pipes,
+the beat channel's socket, the signal wakeup pipe, and a timer for the next moment the
+lease could lapse, a beat is due or a Redis retry is due. Nothing here polls by sleeping.
+Usable in-process (an RQ work horse) as well as from ``overnight supervise``; signal
+handlers only when asked.
+
+The parts: :mod:`worker.supervise.child` (the child and its tree),
+:mod:`worker.supervise.output` (its pipes),
+:mod:`worker.supervise.keeper` (the lease), :mod:`worker.supervise.outcome` (how a step ends),
+:mod:`worker.supervise.signals` and :mod:`worker.redisio.clients`; the child's environment is
+:mod:`worker.sandbox.stepenv`'s allowlist (no credential) and it beats through
+:mod:`worker.beat.channel`, never Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from overnight.config.keys import Keys
+from overnight.worker.beat.channel import Beat, Channel
+from overnight.worker.gateway import grant as gateway_grant
+from overnight.worker.gateway.grant import Grant
+from overnight.worker.lease import file as leasefile
+from overnight.worker.lease import proof
+from overnight.worker.lease.store import LeaseDoc, LeaseRefused, Leases
+from overnight.worker.redisio.clients import (
+    client_for_url,
+    io_timeout,
+    redis_errors,
+    supervisor_client,
+    url_of,
+)
+from overnight.worker.sandbox import cgroup, stepenv, stepuser
+from overnight.worker.supervise import outcome, procs, tree
+from overnight.worker.supervise.child import Child, subreaper
+from overnight.worker.supervise.keeper import Keeper
+from overnight.worker.supervise.outcome import Outcome
+from overnight.worker.supervise.signals import FORWARDED, SignalCatcher
+
+if TYPE_CHECKING:
+    import redis
+
+    from overnight.worker.sandbox.stepuser import StepUser
+
+log = logging.getLogger("overnight.supervisor")
+
+
+@dataclass
+class StepSpec:
+    """One command to run under one lease.
+
+    ``deadline`` is the lease budget, ``gap`` the longest silence allowed, ``grace`` the
+    time between SIGTERM and SIGKILL, all in seconds. ``env`` is what the step adds to the
+    allowlisted environment (:func:`worker.sandbox.stepenv.step_environment`: the task's declared
+    variables, overnight's step variables; never a credential). ``stdin_data``, if given, is
+    the child's whole stdin (a pre-filled pipe; else /dev/null): how overnight's own model
+    step gets its settings without the environment. ``install_signals`` makes
+    SIGTERM/SIGINT/SIGHUP to this process end the step (main thread only; the CLI uses it,
+    an RQ horse does not). ``user`` is who the step runs as (None: this process's user;
+    the commands decide it by :func:`worker.sandbox.stepuser.configured`); its scratch HOME is its
+    own and ``cwd`` must be a folder it can write, else the step does not start.
+    ``contain`` puts the step in a per-lease cgroup where this host and user allow it.
+    """
+
+    argv: list[str]
+    deadline: float = 180.0
+    gap: float = 30.0
+    grace: float = 5.0
+    lease_id: str | None = None
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    output_beats: bool = True
+    beat_while_alive: bool = False
+    lease_file: str | None = None
+    task_id: str | None = None
+    install_signals: bool = False
+    stdin_data: bytes | None = None
+    note: str = "boot"
+    user: StepUser | None = None
+    contain: bool = True
+    # What the step may spend through the gateway; None: it gets no gateway token.
+    grant: Grant | None = None
+    # Written into the step's scratch HOME before it starts (an agent preset's config files).
+    home_files: dict[str, str] | None = None
+
+
+@dataclass
+class SupervisedResult:
+    """How a step ended.
+
+    ``exit_code`` is the contract's ``supervise`` exit; ``doc`` the final lease document
+    (as Redis holds it, or as the supervisor last knew it if Redis was lost); ``reason`` the
+    note the supervisor ended the lease with; ``returncode`` the child's own status (negative
+    for a signal, None if it never ran); ``ended_here`` is False when another writer (the
+    reaper) ended the lease first.
+    """
+
+    exit_code: int
+    doc: LeaseDoc
+    reason: str
+    returncode: int | None = None
+    lease_lost: bool = False
+    ended_here: bool = True
+    seconds: float = 0.0
+    kill: tree.KillReport | None = None
+
+
+def run_supervised(
+    client: redis.Redis,
+    keys: Keys,
+    spec: StepSpec,
+    on_output: Callable[[bytes], None] | None = None,
+    *,
+    signals: SignalCatcher | None = None,
+) -> SupervisedResult:
+    """Run ``spec.argv`` under a new lease and block until the step and its tree have ended.
+
+    ``on_output`` gets every output line of the child (stdout and stderr, bytes, with its
+    line ending); None passes output through to this process's stdout/stderr as it comes.
+    ``signals`` is an already installed :class:`SignalCatcher` (the CLI installs one
+    first thing). Raises :class:`~worker.lease.store.LeaseRefused` if ``spec.lease_id`` exists and
+    redis errors if Redis is unreachable before the child starts; after that, every end is
+    a result (contract section 2's table).
+    """
+    own = None
+    if signals is None and spec.install_signals:
+        own = signals = SignalCatcher.install()
+    try:
+        return _Run(client, keys, spec, on_output, signals).run()
+    finally:
+        if own is not None:
+            own.close()
+
+
+class _Run:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        spec: StepSpec,
+        on_output: Callable[[bytes], None] | None,
+        signals: SignalCatcher | None,
+    ) -> None:
+        if not spec.argv:
+            raise ValueError("argv is empty")
+        if not (spec.gap > 0 and spec.deadline > 0 and spec.grace >= 0):
+            raise ValueError("gap and deadline must be > 0 and grace >= 0")
+        self.client = supervisor_client(client, spec.gap)
+        self.keys = keys
+        self.spec = spec
+        self.on_output = on_output
+        self.signals = signals
+        self.leases = Leases(self.client, keys)
+        self.host = procs.hostname()
+        self.child: Child | None = None
+        self.channel: Channel | None = None
+        self.home: str | None = None
+        self.group: cgroup.StepGroup | None = None
+        self.note: str | None = None  # a note from the step not yet written
+        self.note_at = 0.0
+        self.keeper: Keeper
+        self.lease_id = ""
+        self.gateway_token: str | None = None
+        self.watch: leasefile.LeaseFileWatch | None = None
+
+    def run(self) -> SupervisedResult:
+        started = time.monotonic()
+        spec = self.spec
+        doc = self.leases.acquire(
+            budget_sec=spec.deadline,
+            gap_sec=spec.gap,
+            lease_id=spec.lease_id,
+            supervisor_pid=os.getpid(),
+            task_id=spec.task_id,
+            note=spec.note,
+        )
+        self.lease_id = doc.lease_id
+        self.keeper = Keeper(self.leases, doc, gap=spec.gap, deadline=spec.deadline,
+                             beat_while_alive=spec.beat_while_alive, host=self.host,
+                             now=started)  # fmt: skip
+        self._mirror(doc)
+        log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
+        with subreaper():
+            try:
+                return self._finish(self._start_and_wait(), started)
+            except BaseException as exc:
+                # Whatever went wrong here, the tree must not outlive the step.
+                self._abort(exc)
+                raise
+            finally:
+                proof.remove(self.keys.namespace, self.lease_id)
+                self._close_step_env()
+
+    def _start_and_wait(self) -> Outcome:
+        early = self._pending_signal()
+        if early is not None:
+            return self._signal_outcome(early)
+        spec = self.spec
+        if spec.user is not None and spec.cwd is not None:
+            problem = stepuser.workdir_problem(spec.cwd, spec.user)
+            if problem is not None:
+                return self._refuse_start(f"the step user cannot use the workdir: {problem}")
+        try:
+            self.channel = Channel(self.lease_id)
+            self.home = stepenv.make_home(self.lease_id, spec.user, spec.home_files)
+            if spec.contain:
+                self.group = cgroup.create(self.keys.namespace, self.lease_id)
+            env = stepenv.step_environment(os.environ, spec.env, lease_id=self.lease_id,
+                                           task_id=spec.task_id, home=self.home,
+                                           channel=self.channel.environment(),
+                                           gateway=self._gateway_env())  # fmt: skip
+            self.child = Child(spec.argv, cwd=spec.cwd, env=env, on_output=self.on_output,
+                               describe=f"lease={self.lease_id} host={self.host}",
+                               stdin_data=spec.stdin_data, user=spec.user,
+                               group=self.group)  # fmt: skip
+        except OSError as exc:
+            log.warning("lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host,
+                        spec.argv[0], exc)  # fmt: skip
+            return outcome.not_started(exc)
+        proof.write(self.keys.namespace, self.lease_id, self.keeper.token, self.child.pid,
+                    self.child.ticks, self.group.path if self.group else None)  # fmt: skip
+        self.keeper.attach(self.child.pid, self.child.ticks)
+        self._mirror(self.keeper.doc)
+        if spec.lease_file:  # the child may beat by rewriting it (worker.lease.file)
+            every, seen = self.keeper.min_interval, self.keeper.doc.public()
+            self.watch = leasefile.LeaseFileWatch(spec.lease_file, every, seen, time.monotonic())
+        return self._loop(self.child)
+
+    def _loop(self, child: Child) -> Outcome:
+        keeper, pipes = self.keeper, child.pipes
+        poller = select.poll()
+        poller.register(child.pidfd, select.POLLIN)
+        if self.signals is not None:
+            poller.register(self.signals.read_fd, select.POLLIN)
+        pipes.attach(poller)
+        channel = self.channel
+        assert channel is not None
+        channel.attach(poller, child.pid, child.ticks)
+        while True:
+            wake = keeper.next_wake()
+            if self.note is not None:
+                wake = min(wake, self.note_at)
+            if self.watch is not None:
+                wake = min(wake, self.watch.next_check)
+            events = poller.poll(math.ceil(max(0.0, wake - time.monotonic()) * 1000))
+            fds = {fd for fd, _ in events}
+            if child.pidfd in fds:
+                return outcome.child_ended(*child.exit_status())
+            if self.signals is not None and self.signals.read_fd in fds:
+                self.signals.drain()
+                sig = self._pending_signal()
+                if sig is not None:
+                    return self._signal_outcome(sig)
+            for fd, mask in events:
+                if pipes.handles(fd) and pipes.event(fd, mask) and self.spec.output_beats:
+                    keeper.beat_pending = True
+                elif channel.handles(fd):
+                    for beat in channel.event(fd, self._answer):
+                        keeper.beat_pending = True
+                        if beat.note is not None:
+                            self.note = beat.note
+            asked = self.watch.poll(time.monotonic()) if self.watch is not None else None
+            if asked is not None:
+                keeper.beat_pending = keeper.beat_pending or asked.beat
+                self.note = asked.note if asked.note is not None else self.note
+            if self.note is not None and time.monotonic() >= self.note_at:
+                self._write_note()
+            ended = keeper.tick(time.monotonic())
+            if ended is not None:
+                return ended
+
+    def _refuse_start(self, why: str) -> Outcome:
+        line = f"overnight: lease={self.lease_id}: {why}"
+        log.warning("%s", line)
+        if self.on_output is not None:
+            self.on_output(line.encode() + b"\n")
+        return outcome.not_started(PermissionError(13, why))
+
+    def _answer(self, _beat: Beat) -> float:
+        # Seconds a step that stays silent from now still has.
+        now = time.monotonic()
+        return max(0.0, min(now + self.spec.gap, self.keeper.deadline_at) - now)
+
+    def _write_note(self) -> None:
+        note, self.note = self.note, None
+        assert note is not None
+        try:
+            self.leases.set_note(self.lease_id, self.keeper.token, note)
+        except LeaseRefused as exc:  # the lease is ending: the keeper finds out and says why
+            log.warning("lease=%s host=%s: note refused: %s", self.lease_id, self.host,
+                        exc.reason)  # fmt: skip
+        except redis_errors():
+            if self.note is None:  # a newer note replaces this one
+                self.note = note
+        self.note_at = time.monotonic() + self.keeper.min_interval
+
+    def _gateway_env(self) -> dict[str, str] | None:
+        # A per-lease token, revoked with the step; the keeper watches what the gateway saw.
+        grant = self.spec.grant
+        if grant is None:
+            return None
+        ttl = self.spec.deadline + self.spec.gap + 60
+        self.gateway_token, env = gateway_grant.mint(self.client, self.keys, self.lease_id,
+                                                     self.keeper.token, grant, ttl,
+                                                     self.spec.gap)  # fmt: skip
+        self.keeper.gateway = gateway_grant.watch(self.client, self.keys, self.lease_id)
+        return env
+
+    def _close_step_env(self) -> None:
+        if self.gateway_token is not None:
+            with contextlib.suppress(*redis_errors()):  # else its TTL ends it
+                gateway_grant.revoke(self.client, self.keys, self.lease_id, self.gateway_token)
+            self.gateway_token = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.home is not None:
+            stepenv.remove_home(self.home)
+            self.home = None
+        if self.group is not None:
+            self.group.remove()  # a group that still has members is left to the reaper
+            self.group = None
+
+    def _pending_signal(self) -> int | None:
+        if self.signals is None or not self.signals.pending:
+            return None
+        return self.signals.pending[0]
+
+    def _signal_outcome(self, sig: int) -> Outcome:
+        log.warning("lease=%s host=%s: got signal %d; ending the tree", self.lease_id,
+                    self.host, sig)  # fmt: skip
+        return outcome.by_signal(sig)
+
+    # --- the end ----------------------------------------------------------------------------
+
+    def _kill_tree(self, ended: Outcome) -> tree.KillReport | None:
+        if self.child is None:
+            return None
+        report = self.child.end_tree(self.lease_id, self.spec.grace, ended.first_signal,
+                                     self.signals)  # fmt: skip
+        if report.survivors:
+            self._report_survivors(report)
+        return report
+
+    def _report_survivors(self, report: tree.KillReport) -> None:
+        # Loudly, and on the record: the morning-after view must show a tree that did not die.
+        log.error("lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
+                  self.lease_id, self.host, self.spec.task_id, len(report.survivors),
+                  sorted(report.survivors))  # fmt: skip
+        from overnight.worker.redisio import (
+            receipts,  # pydantic: not on the fast path of every step
+        )
+
+        try:
+            receipts.emit(self.client, self.keys, receipts.SURVIVORS, lease_id=self.lease_id,
+                          task_id=self.spec.task_id, pids=sorted(report.survivors),
+                          via="cgroup" if report.via_cgroup else "proc")  # fmt: skip
+        except redis_errors() as exc:
+            log.error("lease=%s host=%s: cannot record the survivors: %s", self.lease_id,
+                      self.host, exc)  # fmt: skip
+
+    def _finish(self, ended: Outcome, started: float) -> SupervisedResult:
+        child = self.child
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if child is not None:
+            child.pipes.drain(0.0)
+        report = self._kill_tree(ended)
+        returncode = None
+        if child is not None:
+            returncode = child.reap()
+            child.pipes.drain(0.5)
+            child.close()
+        ended_here, ended, doc = self.keeper.end(ended)
+        self._mirror(doc)
+        self._close_step_env()  # after the end is written: a big scratch HOME takes a while
+        log.info("lease=%s host=%s task=%s: ended %s/%s, exit %d", self.lease_id, self.host,
+                 self.spec.task_id, doc.status, doc.note, ended.exit_code)  # fmt: skip
+        return SupervisedResult(
+            exit_code=ended.exit_code,
+            doc=doc,
+            reason=ended.note,
+            returncode=returncode,
+            lease_lost=ended.lost,
+            ended_here=ended_here,
+            seconds=time.monotonic() - started,
+            kill=report,
+        )
+
+    def _abort(self, exc: BaseException) -> None:
+        log.error("lease=%s host=%s: supervisor failed (%s: %s); ending the tree",
+                  self.lease_id, self.host, type(exc).__name__, exc)  # fmt: skip
+        with contextlib.suppress(Exception):
+            ended = outcome.aborted(exc)
+            self._kill_tree(ended)
+            if self.child is not None:
+                self.child.reap()
+                self.child.close()
+            self.leases.end(self.lease_id, self.keeper.token, "killed", ended.note, exit_code=1)
+
+    def _mirror(self, doc: LeaseDoc) -> None:
+        path = self.spec.lease_file
+        if not path:
+            return
+        public = doc.public()
+        try:
+            leasefile.write(path, public)
+            if self.watch is not None:
+                self.watch.wrote(public)
+        except OSError as exc:
+            log.warning("lease=%s host=%s: cannot write %s: %s", self.lease_id, self.host,
+                        path, exc)  # fmt: skip
+
+
+__all__ = [
+    "FORWARDED",
+    "SignalCatcher",
+    "StepSpec",
+    "SupervisedResult",
+    "client_for_url",
+    "io_timeout",
+    "run_supervised",
+    "url_of",
+]
