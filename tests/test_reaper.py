@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.lease.store import TERMINAL, LeaseDoc, LeaseRefused, Leases, proof
+from overnight.worker.lease import proof
+from overnight.worker.lease.store import TERMINAL, LeaseDoc, LeaseRefused, Leases
 from overnight.worker.reaper.reaper import RECEIPT_KIND, lease_tag, reap_once
 from overnight.worker.redisio.receipts import read
 from overnight.worker.supervise import procs

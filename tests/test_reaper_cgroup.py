@@ -20,7 +20,8 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
-from overnight.worker.lease.store import TERMINAL, Leases, proof
+from overnight.worker.lease import proof
+from overnight.worker.lease.store import TERMINAL, Leases
 from overnight.worker.sandbox import cgroup
 from overnight.worker.sandbox.stepuser import StepUser
 from tests.helpers import OVERNIGHT, wait_for

@@ -17,7 +17,8 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
-from overnight.worker.lease.store import TERMINAL, LeaseDoc, Leases, proof
+from overnight.worker.lease import proof
+from overnight.worker.lease.store import TERMINAL, LeaseDoc, Leases
 from overnight.worker.reaper.reaper import RECEIPT_KIND
 from overnight.worker.redisio.receipts import read
 from overnight.worker.supervise import procs
