@@ -42,8 +42,9 @@ UPSTREAM = ROOT / "tests" / "scripted_upstream.py"
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
 NAMESPACE = "bench-gw"
 LITELLM_KEY = "sk-bench-" + "0123456789abcdef" * 4
-BODY = json.dumps({"model": "m", "max_tokens": 64,
-                   "messages": [{"role": "user", "content": "hello " * 50}]})  # fmt: skip
+BODY = json.dumps(
+    {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hello " * 50}]}
+)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -102,8 +103,9 @@ async def _streams(url: str, token: str, count: int) -> dict[str, float]:
         async def one() -> int | str:
             try:
                 auth = {"Authorization": f"Bearer {token}"}
-                async with session.post(f"{url}/v1/chat/completions", json=body,
-                                        headers=auth) as resp:  # fmt: skip
+                async with session.post(
+                    f"{url}/v1/chat/completions", json=body, headers=auth
+                ) as resp:
                     await resp.read()
                     return resp.status
             except aiohttp.ClientError as exc:
@@ -114,8 +116,12 @@ async def _streams(url: str, token: str, count: int) -> dict[str, float]:
     seen: dict[str, int] = {}
     for status in statuses:
         seen[str(status)] = seen.get(str(status), 0) + 1
-    return {"streams": count, "all_ok": all(s == 200 for s in statuses), "statuses": seen,
-            "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
+    return {
+        "streams": count,
+        "all_ok": all(s == 200 for s in statuses),
+        "statuses": seen,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
 
 
 def _litellm(binary: str, direct: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -132,9 +138,22 @@ def _litellm(binary: str, direct: str, work: Path) -> tuple[subprocess.Popen[byt
     )
     env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY}
     with (work / "litellm.log").open("wb") as out:
-        proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1",
-                                 "--port", str(port), "--num_workers", "1"],
-                                env=env, stdout=out, stderr=out)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num_workers",
+                "1",
+            ],
+            env=env,
+            stdout=out,
+            stderr=out,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
@@ -164,8 +183,12 @@ def main() -> None:
         up = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
         assert up.stdout is not None
         direct = f"http://127.0.0.1:{up.stdout.readline().split()[1]}"
-        env = {**os.environ, "OVERNIGHT_REDIS_URL": server.url, "OVERNIGHT_NAMESPACE": NAMESPACE,
-               "OVERNIGHT_MODEL_URL": direct}  # fmt: skip
+        env = {
+            **os.environ,
+            "OVERNIGHT_REDIS_URL": server.url,
+            "OVERNIGHT_NAMESPACE": NAMESPACE,
+            "OVERNIGHT_MODEL_URL": direct,
+        }
         log = Path(tmp) / "gateway.log"
         with log.open("wb") as out:
             gw = subprocess.Popen([OVERNIGHT, "gateway", "--port", "0"], env=env, stderr=out)
@@ -190,8 +213,9 @@ def main() -> None:
             if args.litellm:
                 lite, lite_url = _litellm(args.litellm, direct, Path(tmp))
                 try:
-                    report["litellm_json"] = _paired(direct, lite_url, LITELLM_KEY,
-                                                     args.requests, stream=False)  # fmt: skip
+                    report["litellm_json"] = _paired(
+                        direct, lite_url, LITELLM_KEY, args.requests, stream=False
+                    )
                     report["litellm_stream_first_byte"] = _paired(
                         direct, lite_url, LITELLM_KEY, args.requests // 2, True
                     )
@@ -202,8 +226,11 @@ def main() -> None:
                 theirs = report["litellm_json"]["added_p50_ms"]
                 report["added_p50_ratio_to_litellm"] = round(ours / theirs, 3) if theirs else None
             rss, peak = _rss_mb(gw.pid)
-            report["gateway_rss_mb"] = {"idle": round(idle, 1), "after": round(rss, 1),
-                                        "peak": round(peak, 1)}  # fmt: skip
+            report["gateway_rss_mb"] = {
+                "idle": round(idle, 1),
+                "after": round(rss, 1),
+                "peak": round(peak, 1),
+            }
             report["envelope"] = CallEnvelope(client, "default", NAMESPACE).snapshot().model_dump()
             print(json.dumps(report, indent=2))
         finally:

@@ -69,9 +69,16 @@ class Plan:
 
 
 def host_group(
-    url: str, hosts: list[str], per_host: int, gap: float, ttl: float, interval: float,
-    dead: str, plans: Any, ready: Any,
-) -> None:  # fmt: skip
+    url: str,
+    hosts: list[str],
+    per_host: int,
+    gap: float,
+    ttl: float,
+    interval: float,
+    dead: str,
+    plans: Any,
+    ready: Any,
+) -> None:
     """Play ``hosts``: acquire their leases, beat them as planned, run their reapers."""
     client = redis.Redis.from_url(url, decode_responses=True)
     keys = Keys(NS)
@@ -80,8 +87,10 @@ def host_group(
     for host in hosts:
         _as_host(host)
         leases = Leases(client, keys)
-        docs += [(leases.acquire(budget_sec=3600, gap_sec=gap, note="bench"), host)
-                 for _ in range(per_host)]  # fmt: skip
+        docs += [
+            (leases.acquire(budget_sec=3600, gap_sec=gap, note="bench"), host)
+            for _ in range(per_host)
+        ]
         reap_once(client, keys, grace=0.5, host=host, host_ttl=ttl)
     ready.put(len(docs))
     leases = Leases(client, keys)
@@ -103,8 +112,9 @@ def host_group(
         if plan is not None and wall >= plan.after_at and not kept:
             # Each keeper takes over from its lease's last old beat, as if it had written it.
             for (doc, host), last in zip(docs, renewed, strict=True):
-                k = Keeper(leases, doc, gap=gap, deadline=3600, beat_while_alive=False,
-                           host=host, now=last)  # fmt: skip
+                k = Keeper(
+                    leases, doc, gap=gap, deadline=3600, beat_while_alive=False, host=host, now=last
+                )
                 k.beat_pending = True
                 kept.append(k)
             keepers = [(k.next_wake(), i) for i, k in enumerate(kept)]
@@ -115,8 +125,10 @@ def host_group(
             due, i = heapq.heappop(old)
             doc, _host = docs[i]
             lid = doc.lease_id
-            res = old_beat(keys=[keys.lease(lid), keys.lease_alive(lid), keys.lease_expiry],
-                           args=[doc.token, "0", ""])  # fmt: skip
+            res = old_beat(
+                keys=[keys.lease(lid), keys.lease_alive(lid), keys.lease_expiry],
+                args=[doc.token, "0", ""],
+            )
             if int(res[0]) != 1:  # lapsed while this machine was busy: say so
                 print(f"  beat refused: {res[1]}", file=sys.stderr)
             renewed[i] = now
@@ -130,8 +142,10 @@ def host_group(
             if ended is not None:  # the run is not valid: this machine was too busy
                 lapsed += 1
                 if lapsed in (1, 10, 100, 1000):
-                    print(f"  {lapsed} lease(s) ended under the keeper, the last: "
-                          f"{ended.note}", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"  {lapsed} lease(s) ended under the keeper, the last: {ended.note}",
+                        file=sys.stderr,
+                    )
                 continue
             keeper.beat_pending = True  # a chatty step: its next line comes at once
             heapq.heappush(keepers, (keeper.next_wake(), i))
@@ -186,10 +200,12 @@ def beats_and_loss(url: str, args: argparse.Namespace) -> tuple[Window, Window, 
     dead = hosts[0]
     plans = [ctx.Queue() for _ in groups]
     workers = [
-        ctx.Process(target=host_group, args=(url, g, per_host, args.gap, args.ttl,
-                                             args.interval, dead, plans[j], ready))
+        ctx.Process(
+            target=host_group,
+            args=(url, g, per_host, args.gap, args.ttl, args.interval, dead, plans[j], ready),
+        )
         for j, g in enumerate(groups)
-    ]  # fmt: skip
+    ]
     for w in workers:
         w.start()
     total = sum(ready.get(timeout=300) for _ in workers)
@@ -205,27 +221,44 @@ def beats_and_loss(url: str, args: argparse.Namespace) -> tuple[Window, Window, 
     )
     for q in plans:
         q.put(plan)
-    renew = Keeper(Leases(client, keys), LeaseDoc("x", 1, 1, 0, 1, 0, args.gap, "running"),
-                   gap=args.gap, deadline=3600, beat_while_alive=False, host="x",
-                   now=0).renew_interval  # fmt: skip
-    print(f"  {total:,} running leases on {len(hosts)} hosts ({args.procs} processes); gap "
-          f"{args.gap}s, reaper every {args.interval}s, host TTL {args.ttl}s; "
-          f"{m:.0f} s windows")  # fmt: skip
+    renew = Keeper(
+        Leases(client, keys),
+        LeaseDoc("x", 1, 1, 0, 1, 0, args.gap, "running"),
+        gap=args.gap,
+        deadline=3600,
+        beat_while_alive=False,
+        host="x",
+        now=0,
+    ).renew_interval
+    print(
+        f"  {total:,} running leases on {len(hosts)} hosts ({args.procs} processes); gap "
+        f"{args.gap}s, reaper every {args.interval}s, host TTL {args.ttl}s; "
+        f"{m:.0f} s windows"
+    )
     before = measure(client, t + settle, m)
-    print(f"  before (old script, a beat every gap/4 = {args.gap / 4:g}s): Redis "
-          f"{before.share * 100:.2f}% of one core, {before.beats:,.0f} beats/s, "
-          f"{before.commands:,.0f} commands/s")  # fmt: skip
+    print(
+        f"  before (old script, a beat every gap/4 = {args.gap / 4:g}s): Redis "
+        f"{before.share * 100:.2f}% of one core, {before.beats:,.0f} beats/s, "
+        f"{before.commands:,.0f} commands/s"
+    )
     edge = min(1.0, quiet / 4)  # the last old beats and the first renewals stay out
     reapers = measure(client, plan.quiet_at + edge, quiet - 2 * edge)
-    print(f"  reapers only (no beats): Redis {reapers.share * 100:.2f}% of one core, "
-          f"{reapers.commands:,.0f} commands/s")  # fmt: skip
+    print(
+        f"  reapers only (no beats): Redis {reapers.share * 100:.2f}% of one core, "
+        f"{reapers.commands:,.0f} commands/s"
+    )
     after = measure(client, plan.after_at + settle, m)
-    print(f"  after (the keeper, every step chatty: renewed every {renew:g}s): Redis "
-          f"{after.share * 100:.2f}% of one core, {after.beats:,.0f} beats/s, "
-          f"{after.commands:,.0f} commands/s")  # fmt: skip
+    print(
+        f"  after (the keeper, every step chatty: renewed every {renew:g}s): Redis "
+        f"{after.share * 100:.2f}% of one core, {after.beats:,.0f} beats/s, "
+        f"{after.commands:,.0f} commands/s"
+    )
     lost_at = plan.dead_at  # the lost host's last beat is no later than this
-    theirs = [str(i) for i in client.zrange(keys.leases, 0, -1)
-              if client.hget(keys.lease(str(i)), "host") == dead]  # fmt: skip
+    theirs = [
+        str(i)
+        for i in client.zrange(keys.leases, 0, -1)
+        if client.hget(keys.lease(str(i)), "host") == dead
+    ]
     ended_in = float("nan")
     deadline = time.monotonic() + (plan.dead_at - time.time()) + 2 * args.ttl + args.gap + 30
     while time.monotonic() < deadline:
@@ -267,8 +300,9 @@ def throughput(url: str, procs_n: int, host_ids: list[list[str]], calls: int) ->
     ctx = mp.get_context("fork")
     out: Any = ctx.Queue()
     per = calls // procs_n
-    workers = [ctx.Process(target=_drain, args=(url, host_ids[i], per, out))
-               for i in range(procs_n)]  # fmt: skip
+    workers = [
+        ctx.Process(target=_drain, args=(url, host_ids[i], per, out)) for i in range(procs_n)
+    ]
     began = time.perf_counter()
     for w in workers:
         w.start()
@@ -302,39 +336,51 @@ def main() -> int:
             before, reapers, after, ended_in = beats_and_loss(server.url, args)
             per_beat = (before.share - reapers.share) / before.beats if before.beats else 0.0
             chatty = reapers.share + per_beat * args.leases / OLD_LINE_EVERY
-            print(f"  one old beat: {per_beat * 1e6:.0f} us of Redis CPU; the old cadence "
-                  f"for chatty steps (every {OLD_LINE_EVERY}s) would be "
-                  f"{args.leases / OLD_LINE_EVERY:,.0f} beats/s, about {chatty * 100:.0f}% "
-                  f"(extrapolated)")  # fmt: skip
+            print(
+                f"  one old beat: {per_beat * 1e6:.0f} us of Redis CPU; the old cadence "
+                f"for chatty steps (every {OLD_LINE_EVERY}s) would be "
+                f"{args.leases / OLD_LINE_EVERY:,.0f} beats/s, about {chatty * 100:.0f}% "
+                f"(extrapolated)"
+            )
             if after.beats:
-                print(f"  one new beat: {(after.share - reapers.share) / after.beats * 1e6:.0f}"
-                      f" us of Redis CPU")  # fmt: skip
+                print(
+                    f"  one new beat: {(after.share - reapers.share) / after.beats * 1e6:.0f}"
+                    f" us of Redis CPU"
+                )
             fine = after.share <= 0.05
             ok &= fine
-            print(f"beats cost: {after.share * 100:.2f}% of one Redis core with the reapers' "
-                  f"passes ({(after.share - reapers.share) * 100:.2f}% the beats alone), "
-                  f"was {before.share * 100:.2f}%: {after.share / before.share:.2f}x "
-                  f"(target <= 5%) {'OK' if fine else 'MISSED'}")  # fmt: skip
+            print(
+                f"beats cost: {after.share * 100:.2f}% of one Redis core with the reapers' "
+                f"passes ({(after.share - reapers.share) * 100:.2f}% the beats alone), "
+                f"was {before.share * 100:.2f}%: {after.share / before.share:.2f}x "
+                f"(target <= 5%) {'OK' if fine else 'MISSED'}"
+            )
             fine = ended_in <= 2 * args.ttl
             ok &= fine
             verdict = "OK" if fine else "MISSED"
-            print(f"lost host: its leases ended host-lost {ended_in:.1f}s after its last beat "
-                  f"(TTL {args.ttl}s, target <= {2 * args.ttl:.0f}s) {verdict}")  # fmt: skip
+            print(
+                f"lost host: its leases ended host-lost {ended_in:.1f}s after its last beat "
+                f"(TTL {args.ttl}s, target <= {2 * args.ttl:.0f}s) {verdict}"
+            )
             print("envelope throughput (4 processes draining one envelope):")
             rates = []
             for label, ids in (
                 ("one host", [["solo"]] * 4),
-                (f"{args.hosts} hosts", [[f"sim-{i:03d}" for i in range(j, args.hosts, 4)]
-                                         for j in range(4)]),
-            ):  # fmt: skip
+                (
+                    f"{args.hosts} hosts",
+                    [[f"sim-{i:03d}" for i in range(j, args.hosts, 4)] for j in range(4)],
+                ),
+            ):
                 runs = [throughput(server.url, 4, ids, args.calls) for _ in range(3)]
                 rates.append(statistics.median(runs))
                 print(f"  {label}: median {rates[-1]:,.0f} consumes/s (exact: consumed == calls)")
             ratio = rates[1] / rates[0]
             fine = ratio >= 0.8
             ok &= fine
-            print(f"envelope across hosts: {ratio:.2f}x a single host's (target >= 0.8x) "
-                  f"{'OK' if fine else 'MISSED'}")  # fmt: skip
+            print(
+                f"envelope across hosts: {ratio:.2f}x a single host's (target >= 0.8x) "
+                f"{'OK' if fine else 'MISSED'}"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

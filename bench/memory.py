@@ -56,14 +56,19 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         try:
             namespace = f"bench-{uuid.uuid4().hex[:6]}"
-            settings = load_settings(redis_url=server.url, namespace=namespace,
-                                     retention=args.retention)  # fmt: skip
+            settings = load_settings(
+                redis_url=server.url, namespace=namespace, retention=args.retention
+            )
             client = redis.Redis.from_url(server.url, decode_responses=True)
             rq_conn = redis.Redis.from_url(server.url)
             keys = Keys(namespace)
-            spec = TaskSpec(assignment="Create ok.txt in the work directory.", workdir=tmp,
-                            agent=["true"], max_calls=3,
-                            verifier=[Rule(name="tests", run=["true"])])  # fmt: skip
+            spec = TaskSpec(
+                assignment="Create ok.txt in the work directory.",
+                workdir=tmp,
+                agent=["true"],
+                max_calls=3,
+                verifier=[Rule(name="tests", run=["true"])],
+            )
             store = TaskStore(client, keys, retention=args.retention)
             leases = Leases(client, keys)
             queue = Queue(namespace, connection=rq_conn)
@@ -91,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                 job.cleanup(ttl=args.retention)
             took = time.monotonic() - began
             retained = _used(client) - base
-            print(f"{n} tasks: live (queued, RQ job enqueued) {live / n:,.0f} B/task; "
-                  f"retained after the end {retained / n:,.0f} B/task "
-                  f"({retained / 1e6:.1f} MB; OVERNIGHT_RETENTION={args.retention}s)")  # fmt: skip
+            print(
+                f"{n} tasks: live (queued, RQ job enqueued) {live / n:,.0f} B/task; "
+                f"retained after the end {retained / n:,.0f} B/task "
+                f"({retained / 1e6:.1f} MB; OVERNIGHT_RETENTION={args.retention}s)"
+            )
             if took >= args.retention:
                 print(
                     f"note: ending them took {took:.0f}s, longer than the retention; "
@@ -109,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             after = _used(client) - base
             held = sum(int(client.memory_usage(k) or 0) for k in names)
             kinds = sorted({k.split(":")[-1] if k.startswith("{") else k for k in names})
-            print(f"after the retention and the recovery passes: {len(names)} keys left of "
-                  f"{keys_before} ({', '.join(kinds)}), holding {held:,} B: {held / n:.2f} "
-                  f"B/task; used_memory {after:+,} B against the empty server (allocator "
-                  "pages and script caches)")  # fmt: skip
+            print(
+                f"after the retention and the recovery passes: {len(names)} keys left of "
+                f"{keys_before} ({', '.join(kinds)}), holding {held:,} B: {held / n:.2f} "
+                f"B/task; used_memory {after:+,} B against the empty server (allocator "
+                "pages and script caches)"
+            )
         finally:
             server.stop(kill=True)
     return 0 if held < 4096 else 1  # a few per-namespace keys, nothing per task

@@ -65,12 +65,15 @@ def orphan_latency(
     env = {**os.environ, "OVERNIGHT_REDIS_URL": server.url, "OVERNIGHT_NAMESPACE": ns}
     if os.geteuid() == 0:  # the child writes its pid file into this bench's (root's) folder
         env["OVERNIGHT_ALLOW_ROOT_STEPS"] = "1"
-    print(f"orphan latency: overnight supervise, gap {gap}s, reaper interval {interval}s, "
-          f"{runs} runs")  # fmt: skip
+    print(
+        f"orphan latency: overnight supervise, gap {gap}s, reaper interval {interval}s, {runs} runs"
+    )
     reaper = subprocess.Popen(
         [OVERNIGHT, "reaper", "--interval", str(interval), "--grace", "1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = redis.Redis.from_url(server.url)
     _wait(lambda: client.exists(Keys(ns).reaper_host(procs.hostname())), 10)
     results: list[float] = []
@@ -78,8 +81,19 @@ def orphan_latency(
         for i in range(runs):
             pids = work / f"pids-{i}"
             script = CHILD.format(pids=pids)
-            cmd = [OVERNIGHT, "supervise", "--quiet", "--gap", str(gap), "--grace", "1",
-                   "--", "sh", "-c", script]  # fmt: skip
+            cmd = [
+                OVERNIGHT,
+                "supervise",
+                "--quiet",
+                "--gap",
+                str(gap),
+                "--grace",
+                "1",
+                "--",
+                "sh",
+                "-c",
+                script,
+            ]
             sup = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
             if not _wait(lambda: pids.exists() and pids.read_text().strip(), 10):  # noqa: B023
                 raise RuntimeError("the supervised child did not start")
@@ -115,21 +129,37 @@ def _populate(client: redis.Redis, keys: Keys, live: int, lapsed: int, now_ms: i
         is_lapsed = i >= live
         on_host = host if not is_lapsed or i % 2 else "bench-busy-host"
         now = now_ms / 1000
-        pipe.hset(keys.lease(lease_id), mapping={
-            "lease_id": lease_id, "token": str(i + 1), "holder_pid": str(2**22 + 100 + i),
-            "pgid": str(2**22 + 100 + i), "host": on_host, "budget_sec": "600",
-            "started_unix": f"{now - 60:.6f}", "deadline_unix": f"{now + 540:.6f}",
-            "heartbeat_unix": f"{now - (5 if is_lapsed else 0):.6f}",
-            "heartbeat_max_gap_sec": "3", "status": "running", "note": "bench",
-            "exit_code": "", "ended_unix": "", "supervisor_pid": "0",
-            "child_start_ticks": "12345", "boot_id": boot, "task_id": "",
-        })  # fmt: skip
+        pipe.hset(
+            keys.lease(lease_id),
+            mapping={
+                "lease_id": lease_id,
+                "token": str(i + 1),
+                "holder_pid": str(2**22 + 100 + i),
+                "pgid": str(2**22 + 100 + i),
+                "host": on_host,
+                "budget_sec": "600",
+                "started_unix": f"{now - 60:.6f}",
+                "deadline_unix": f"{now + 540:.6f}",
+                "heartbeat_unix": f"{now - (5 if is_lapsed else 0):.6f}",
+                "heartbeat_max_gap_sec": "3",
+                "status": "running",
+                "note": "bench",
+                "exit_code": "",
+                "ended_unix": "",
+                "supervisor_pid": "0",
+                "child_start_ticks": "12345",
+                "boot_id": boot,
+                "task_id": "",
+            },
+        )
         if is_lapsed:
             pipe.zadd(keys.lease_expiry, {lease_id: now_ms - 2000})
             if on_host == host:
                 pid = 2**22 + 100 + i
-                proof.store(keys.namespace, proof.Proof(lease_id, i + 1, pid, pid, 12345, boot,
-                                                        os.getpid(), 1))  # fmt: skip
+                proof.store(
+                    keys.namespace,
+                    proof.Proof(lease_id, i + 1, pid, pid, 12345, boot, os.getpid(), 1),
+                )
         else:
             pipe.set(keys.lease_alive(lease_id), str(i + 1), px=600_000)
             pipe.zadd(keys.lease_expiry, {lease_id: now_ms + 600_000})
@@ -161,8 +191,10 @@ def pass_cost(
                 assert report.ended == lapsed // 2 and report.signalled == 0, report.summary()
                 shutil.rmtree(proof_dir(keys.namespace).parent, ignore_errors=True)
             out[size] = statistics.median(times)
-            print(f"  {size:>7,} leases ({lapsed} lapsed): median pass {out[size] * 1000:.1f} ms "
-                  f"(best {min(times) * 1000:.1f}, worst {max(times) * 1000:.1f})")  # fmt: skip
+            print(
+                f"  {size:>7,} leases ({lapsed} lapsed): median pass {out[size] * 1000:.1f} ms "
+                f"(best {min(times) * 1000:.1f}, worst {max(times) * 1000:.1f})"
+            )
         client.flushdb()
     finally:
         client.close()
@@ -188,17 +220,21 @@ def main() -> int:
                 med, worst = statistics.median(lat), max(lat)
                 ok &= worst <= target
                 verdict = "OK" if worst <= target else "MISSED"
-                print(f"orphan latency: median {med:.3f}s, worst {worst:.3f}s "
-                      f"(target <= {target:.1f}s) {verdict}")  # fmt: skip
+                print(
+                    f"orphan latency: median {med:.3f}s, worst {worst:.3f}s "
+                    f"(target <= {target:.1f}s) {verdict}"
+                )
             print("pass cost:")
             cost = pass_cost(server, [100, 10_000, 100_000], 100, args.repeats)
             big, small = cost[100_000], cost[100]
             fine = big <= 0.050 and big <= 2 * small
             ok &= fine
             mid = cost[10_000]
-            print(f"pass cost: 100 -> {small * 1000:.1f} ms, 10,000 -> {mid * 1000:.1f} ms, "
-                  f"100,000 -> {big * 1000:.1f} ms (target <= 50 ms and <= 2x the 100-lease "
-                  f"pass) {'OK' if fine else 'MISSED'}")  # fmt: skip
+            print(
+                f"pass cost: 100 -> {small * 1000:.1f} ms, 10,000 -> {mid * 1000:.1f} ms, "
+                f"100,000 -> {big * 1000:.1f} ms (target <= 50 ms and <= 2x the 100-lease "
+                f"pass) {'OK' if fine else 'MISSED'}"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

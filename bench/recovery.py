@@ -45,8 +45,13 @@ def main(argv: list[str] | None = None) -> int:
             client = redis.Redis.from_url(server.url, decode_responses=True)
             rq_conn = redis.Redis.from_url(server.url)
             keys = Keys(namespace)
-            spec = TaskSpec(assignment="x", workdir=tmp, agent=["true"], max_calls=3,
-                            verifier=[Rule(name="r", run=["true"])])  # fmt: skip
+            spec = TaskSpec(
+                assignment="x",
+                workdir=tmp,
+                agent=["true"],
+                max_calls=3,
+                verifier=[Rule(name="r", run=["true"])],
+            )
             store = TaskStore(client, keys, retention=settings.retention)
             made = 0
             while made < args.tasks:
@@ -66,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             recover(client, rq_conn, keys, settings)
             due_ms = (time.perf_counter() - began) * 1000
             best, median = min(steady), statistics.median(steady)
-            print(f"recovery pass, {args.tasks} queued tasks: best {best:.2f} ms, "
-                  f"median {median:.2f} ms over {args.passes} passes (target <= "
-                  f"{TARGET_MS:.0f} ms)")  # fmt: skip
+            print(
+                f"recovery pass, {args.tasks} queued tasks: best {best:.2f} ms, "
+                f"median {median:.2f} ms over {args.passes} passes (target <= "
+                f"{TARGET_MS:.0f} ms)"
+            )
             print(
                 f"recovery pass with every queued task due a job check: {due_ms:.1f} ms "
                 "(one batch of 500 checked per pass)"

@@ -155,13 +155,15 @@ class Soak:
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen[bytes]:
         log = (self.work / f"{name}.log").open("a")
         self.logs.append(log)
-        return subprocess.Popen(argv, env=self.env, stdout=log, stderr=log,
-                                stdin=subprocess.DEVNULL)  # fmt: skip
+        return subprocess.Popen(
+            argv, env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
+        )
 
     def start_worker(self) -> None:
         n = len(self.workers)
-        self.workers.append(self._spawn([OVERNIGHT, "worker", "--name", f"w{n}-{self.namespace}"],
-                                        f"worker-{n}"))  # fmt: skip
+        self.workers.append(
+            self._spawn([OVERNIGHT, "worker", "--name", f"w{n}-{self.namespace}"], f"worker-{n}")
+        )
 
     def start_reaper(self) -> None:
         self.reaper = self._spawn([OVERNIGHT, "reaper"], "reaper")
@@ -175,8 +177,14 @@ class Soak:
         return [p.pid for p in tree.scan().values() if p.ppid in parents and not p.dead]
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([OVERNIGHT, *args], env=self.env, capture_output=True, text=True,
-                              timeout=60, check=False)  # fmt: skip
+        return subprocess.run(
+            [OVERNIGHT, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
     # --- tasks ----------------------------------------------------------------------------
     def submit(self, count: int) -> None:
@@ -271,8 +279,9 @@ class Soak:
         what = event()
         time.sleep(0.5)  # what would die of it has had time to
         dead = [p.pid for p in before if p.poll() is not None]
-        result.redis_events.append(f"{what}, {len(before) - len(dead)}/{len(before)} "
-                                   "processes alive after it")  # fmt: skip
+        result.redis_events.append(
+            f"{what}, {len(before) - len(dead)}/{len(before)} processes alive after it"
+        )
         if dead:
             result.problems.append(f"{what}: processes died: {dead}")
 
@@ -415,8 +424,9 @@ class Soak:
             if state not in task_states.get(task_id, set()):
                 problems.append(f"task {task_id}: no task_state receipt for {state}")
 
-        orphans = [p.pid for p in tree.scan().values()
-                   if not p.dead and lease_tag(p.pid) in lease_ids]  # fmt: skip
+        orphans = [
+            p.pid for p in tree.scan().values() if not p.dead and lease_tag(p.pid) in lease_ids
+        ]
         result.orphans = len(orphans)
         if orphans:
             problems.append(f"orphans alive: {orphans[:10]}")

@@ -49,9 +49,16 @@ def _spawn(argv: list[str], env: dict[str, str], stdout: int) -> tuple[float, in
     waited-for descendants)."""
     t = time.perf_counter()
     devnull = os.open(os.devnull, os.O_RDWR)
-    pid = os.posix_spawn(argv[0], argv, env, file_actions=[
-        (os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, stdout, 1),
-        (os.POSIX_SPAWN_DUP2, devnull, 2)])  # fmt: skip
+    pid = os.posix_spawn(
+        argv[0],
+        argv,
+        env,
+        file_actions=[
+            (os.POSIX_SPAWN_DUP2, devnull, 0),
+            (os.POSIX_SPAWN_DUP2, stdout, 1),
+            (os.POSIX_SPAWN_DUP2, devnull, 2),
+        ],
+    )
     os.close(devnull)
     _, status, usage = os.wait4(pid, 0)
     wall = time.perf_counter() - t
@@ -67,8 +74,19 @@ def detection(env: dict[str, str], runs: int, gap: float, work: Path) -> list[fl
         marker, beat = work / f"term-{i}", work / f"beat-{i}"
         doc_path = work / f"doc-{i}.json"
         fd = os.open(doc_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        argv = [OVERNIGHT, "supervise", "--gap", str(gap), "--grace", "1", "--",
-                sys.executable, str(script), str(marker), str(beat)]  # fmt: skip
+        argv = [
+            OVERNIGHT,
+            "supervise",
+            "--gap",
+            str(gap),
+            "--grace",
+            "1",
+            "--",
+            sys.executable,
+            str(script),
+            str(marker),
+            str(beat),
+        ]
         _wall, code, _rss = _spawn(argv, env, fd)
         os.close(fd)
         text = doc_path.read_text()
@@ -127,14 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median(sup)
     peak = max(rss)
     print(f"detection over {len(det)} runs at gap {args.gap:g}s (kill - last beat):")
-    print(f"  p50 {_pct(det, 0.5):.3f}s  p95 {p95:.3f}s  max {max(det):.3f}s  "
-          f"target p95 <= {target:.1f}s  {'PASS' if p95 <= target else 'MISS'}")  # fmt: skip
+    print(
+        f"  p50 {_pct(det, 0.5):.3f}s  p95 {p95:.3f}s  max {max(det):.3f}s  "
+        f"target p95 <= {target:.1f}s  {'PASS' if p95 <= target else 'MISS'}"
+    )
     print(f"overhead over {len(sup)} runs of `overnight supervise --quiet -- true`:")
-    print(f"  median {med:.3f}s (bare true {statistics.median(bare) * 1000:.1f}ms, "
-          f"min {min(sup):.3f}s, max {max(sup):.3f}s)  target <= {OVERHEAD:.3f}s  "
-          f"{'PASS' if med <= OVERHEAD else 'MISS'}")  # fmt: skip
-    print(f"  supervisor peak RSS {peak:.1f} MB (median {statistics.median(rss):.1f} MB)  "
-          f"target <= 40 MB  {'PASS' if peak <= 40 else 'MISS'}")  # fmt: skip
+    print(
+        f"  median {med:.3f}s (bare true {statistics.median(bare) * 1000:.1f}ms, "
+        f"min {min(sup):.3f}s, max {max(sup):.3f}s)  target <= {OVERHEAD:.3f}s  "
+        f"{'PASS' if med <= OVERHEAD else 'MISS'}"
+    )
+    print(
+        f"  supervisor peak RSS {peak:.1f} MB (median {statistics.median(rss):.1f} MB)  "
+        f"target <= 40 MB  {'PASS' if peak <= 40 else 'MISS'}"
+    )
     return 0
 
 

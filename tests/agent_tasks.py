@@ -60,8 +60,10 @@ class Trap:
                     self.seen.append("?")
 
     def env(self) -> dict[str, str]:
-        proxy = dict.fromkeys(("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy",
-                               "ALL_PROXY", "all_proxy"), self.url)  # fmt: skip
+        proxy = dict.fromkeys(
+            ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy"),
+            self.url,
+        )
         return {**proxy, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
@@ -143,9 +145,15 @@ def run_direct(
 ) -> subprocess.CompletedProcess[bytes]:
     """Run the launch's CLI in ``work`` with only ``env``, as a step would but with no
     gateway or supervisor; feed ``reader`` each line it printed."""
-    done = subprocess.run(launch.argv, cwd=work, env={"PATH": PATH, **env},
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=120,
-                          check=False)  # fmt: skip
+    done = subprocess.run(
+        launch.argv,
+        cwd=work,
+        env={"PATH": PATH, **env},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     for line in done.stdout.splitlines():
         reader(line)
     return done
@@ -167,10 +175,18 @@ class Bench:
     scripted: Scripted
 
     def run(
-        self, upstream: str, name: str, *, agent: str, model: str = "scripted",
-        max_calls: int = 10, folder: Path | None = None, user: StepUser | None = None,
-        url_var: str = "OVERNIGHT_MODEL_URL", **keys: Any,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        upstream: str,
+        name: str,
+        *,
+        agent: str,
+        model: str = "scripted",
+        max_calls: int = 10,
+        folder: Path | None = None,
+        user: StepUser | None = None,
+        url_var: str = "OVERNIGHT_MODEL_URL",
+        **keys: Any,
+    ) -> dict[str, Any]:
         """Give the envelope 100 units; submit a task on a repository with a bug (``name``
         in ``folder``, else the test's) whose agent is ``agent`` with ``model`` at
         ``upstream`` (``url_var`` names it for the gateway), its env pointing every proxy at
@@ -180,12 +196,21 @@ class Bench:
         folder = folder or self.folder
         repo(folder / name)
         env = self.env if user is None else {**self.env, "OVERNIGHT_STEP_USER": user.name}
-        tenv = worker_env(env, **{url_var: upstream}, OVERNIGHT_STATE_DIR=str(folder / "state"),
-                          OVERNIGHT_LOG_DIR=str(folder / "logs"))  # fmt: skip
-        lines = [f"id = {json.dumps(name)}", f"workdir = {json.dumps(name)}",
-                 f"assignment = {json.dumps(ASSIGNMENT)}", f"agent = {json.dumps(agent)}",
-                 f"model = {json.dumps(model)}", f"max_calls = {max_calls}",
-                 f"env = {_inline(self.trap.env())}"]  # fmt: skip
+        tenv = worker_env(
+            env,
+            **{url_var: upstream},
+            OVERNIGHT_STATE_DIR=str(folder / "state"),
+            OVERNIGHT_LOG_DIR=str(folder / "logs"),
+        )
+        lines = [
+            f"id = {json.dumps(name)}",
+            f"workdir = {json.dumps(name)}",
+            f"assignment = {json.dumps(ASSIGNMENT)}",
+            f"agent = {json.dumps(agent)}",
+            f"model = {json.dumps(model)}",
+            f"max_calls = {max_calls}",
+            f"env = {_inline(self.trap.env())}",
+        ]
         lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
         lines += ["[[verifier]]", 'name = "says-fixed"', f"run = {json.dumps(RULE)}"]
         path = folder / f"{name}.toml"
@@ -202,14 +227,20 @@ class Bench:
 
     def agent_said(self, task: str) -> list[tuple[str, bool]]:
         """What the reader made of each agent step of ``task``, in order."""
-        return [(rc.data["agent_said"], rc.data["agent_ok"])
-                for rc in read(self.r, Keys(self.namespace), task_id=task)
-                if rc.kind == "step_finished" and rc.data.get("step") == "agent"]  # fmt: skip
+        return [
+            (rc.data["agent_said"], rc.data["agent_ok"])
+            for rc in read(self.r, Keys(self.namespace), task_id=task)
+            if rc.kind == "step_finished" and rc.data.get("step") == "agent"
+        ]
 
 
 @pytest.fixture
 def bench(
-    r: redis.Redis, namespace: str, env: dict[str, str], tmp_path: Path, trap: Trap,
+    r: redis.Redis,
+    namespace: str,
+    env: dict[str, str],
+    tmp_path: Path,
+    trap: Trap,
     scripted: Scripted,
-) -> Bench:  # fmt: skip
+) -> Bench:
     return Bench(r, namespace, env, tmp_path, trap, scripted)

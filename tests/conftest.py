@@ -104,8 +104,11 @@ def env(
 
     It is applied to this process too (for in-process settings) and returned for subprocesses.
     """
-    values = {"OVERNIGHT_REDIS_URL": redis_server.url, "OVERNIGHT_NAMESPACE": namespace,
-              **ROOT_OPT_IN}  # fmt: skip
+    values = {
+        "OVERNIGHT_REDIS_URL": redis_server.url,
+        "OVERNIGHT_NAMESPACE": namespace,
+        **ROOT_OPT_IN,
+    }
     for key in list(os.environ):
         if key.startswith("OVERNIGHT_") or key == "MODEL_URL":
             monkeypatch.delenv(key)

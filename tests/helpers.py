@@ -168,8 +168,9 @@ UPSTREAM = Path(__file__).with_name("scripted_upstream.py")
 @contextlib.contextmanager
 def scripted_upstream(*args: str) -> Iterator[str]:
     """Run tests/scripted_upstream.py with ARGS (such as ``--script FILE``); yields its URL."""
-    proc = subprocess.Popen([sys.executable, str(UPSTREAM), *args], stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(UPSTREAM), *args], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     try:
         yield f"http://127.0.0.1:{proc.stdout.readline().split()[1]}"
@@ -221,8 +222,13 @@ def run_gateway(env: dict[str, str], folder: Path) -> Iterator[str]:
 def worker_env(env: dict[str, str], **more: str) -> dict[str, str]:
     """``env`` for an ``overnight worker`` of this test's namespace, quick to give up on a
     step, with a gateway of its own on a free port; plus MORE (such as the model's URL)."""
-    return {**env, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"], "OVERNIGHT_GRACE": "0.5",
-            "OVERNIGHT_GATEWAY_PORT": str(free_port()), **more}  # fmt: skip
+    return {
+        **env,
+        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
+        "OVERNIGHT_GRACE": "0.5",
+        "OVERNIGHT_GATEWAY_PORT": str(free_port()),
+        **more,
+    }
 
 
 # --- task files ----------------------------------------------------------------------------
@@ -248,8 +254,9 @@ def task_file(
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def run_burst(env: dict[str, str], path: Path, name: str) -> dict[str, Any]:

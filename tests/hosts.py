@@ -129,8 +129,20 @@ class Cluster:
     def _link(self, k: int, netns: str) -> tuple[str, str]:
         """A veth pair between the Redis namespace and ``netns`` on 10.231.k.0/24."""
         near, far = f"r{k}", "eth0"
-        _ip("-n", self.redis_ns, "link", "add", near, "type", "veth", "peer", "name", far,
-            "netns", netns)  # fmt: skip
+        _ip(
+            "-n",
+            self.redis_ns,
+            "link",
+            "add",
+            near,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            far,
+            "netns",
+            netns,
+        )
         _ip("-n", self.redis_ns, "addr", "add", f"10.231.{k}.1/24", "dev", near)
         _ip("-n", netns, "addr", "add", f"10.231.{k}.2/24", "dev", far)
         _ip("-n", self.redis_ns, "link", "set", near, "up")
@@ -141,12 +153,31 @@ class Cluster:
         data = self.folder / "redis"
         data.mkdir(parents=True, exist_ok=True)
         argv = [
-            "ip", "netns", "exec", self.redis_ns, find_redis_server(), "-",
-            "--port", str(REDIS_PORT), "--bind", "0.0.0.0",
-            "--unixsocket", str(self.socket), "--unixsocketperm", "700",
-            "--dir", str(data), "--logfile", str(data / "redis.log"),
-            "--save", "", "--appendonly", "no", "--daemonize", "no",
-        ]  # fmt: skip
+            "ip",
+            "netns",
+            "exec",
+            self.redis_ns,
+            find_redis_server(),
+            "-",
+            "--port",
+            str(REDIS_PORT),
+            "--bind",
+            "0.0.0.0",
+            "--unixsocket",
+            str(self.socket),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(data),
+            "--logfile",
+            str(data / "redis.log"),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+        ]
         quiet = subprocess.DEVNULL
         self.redis_proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=quiet, stderr=quiet)
         assert self.redis_proc.stdin is not None
@@ -193,14 +224,27 @@ class Cluster:
 
     def _in(self, netns: str, name: str, argv: list[str]) -> list[str]:
         """``argv`` run in ``netns`` with the host name ``name`` (its own UTS namespace)."""
-        return ["ip", "netns", "exec", netns, "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', name, *argv]  # fmt: skip
+        return [
+            "ip",
+            "netns",
+            "exec",
+            netns,
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            name,
+            *argv,
+        ]
 
     def coordinator(self, *args: str, timeout: float = 40) -> subprocess.CompletedProcess[str]:
         """``overnight ARGS`` in the coordinator's namespace."""
         argv = self._in(self.coord_ns, f"coord-{self.tag}", [OVERNIGHT, *args])
-        return subprocess.run(argv, env=self.env(), capture_output=True, text=True,
-                              timeout=timeout, check=False)  # fmt: skip
+        return subprocess.run(
+            argv, env=self.env(), capture_output=True, text=True, timeout=timeout, check=False
+        )
 
     def start_upstream(self, host: Host) -> str:
         """tests/scripted_upstream.py on the host's own loopback; the host's gateway (one per
@@ -221,8 +265,13 @@ class Cluster:
         log = self.folder / f"{host.host_id}-{len(host.procs)}.log"
         out: IO[bytes] = log.open("wb")
         with out:
-            proc = subprocess.Popen(self._in(host.netns, host.host_id, argv), env=self.env(host),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out)  # fmt: skip
+            proc = subprocess.Popen(
+                self._in(host.netns, host.host_id, argv),
+                env=self.env(host),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+            )
         host.procs.append(proc)
         host.logs.append(log)
         return proc

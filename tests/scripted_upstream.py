@@ -51,8 +51,16 @@ def canned(model: str) -> Reply:
     return Reply(calls=(("run", {}), ("run", {}))) if "tool" in model else Reply()
 
 
-SHELL_NAMES = ("shell", "shell_command", "exec_command", "bash", "Bash", "run_command",
-               "run_shell_command", "execute_command")  # fmt: skip
+SHELL_NAMES = (
+    "shell",
+    "shell_command",
+    "exec_command",
+    "bash",
+    "Bash",
+    "run_command",
+    "run_shell_command",
+    "execute_command",
+)
 
 
 def _tool_specs(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -85,8 +93,9 @@ def shell_call(body: dict[str, Any], command: str) -> Reply | None:
     if name is None:
         if "<local_shell>" not in by_name:
             return None
-        return Reply(calls=(("<local_shell>", {"command": ["bash", "-lc", command]}),),
-                     local_shell=True)  # fmt: skip
+        return Reply(
+            calls=(("<local_shell>", {"command": ["bash", "-lc", command]}),), local_shell=True
+        )
     props = by_name[name].get("properties") or {}
     key = "cmd" if "cmd" in props and "command" not in props else "command"
     shape = props.get(key) or {}
@@ -120,37 +129,55 @@ SCRIPT: Script | None = None
 
 def chat(model: str, reply: Reply, include_usage: bool) -> tuple[Any, list[bytes]]:
     tools = bool(reply.calls)
-    usage = None if "nousage" in model else {"prompt_tokens": INPUT, "completion_tokens": OUTPUT,
-                                               "total_tokens": INPUT + OUTPUT}  # fmt: skip
-    calls = [{"id": f"call_{i}", "type": "function",
-              "function": {"name": name, "arguments": json.dumps(args)}}
-             for i, (name, args) in enumerate(reply.calls)]  # fmt: skip
+    usage = (
+        None
+        if "nousage" in model
+        else {"prompt_tokens": INPUT, "completion_tokens": OUTPUT, "total_tokens": INPUT + OUTPUT}
+    )
+    calls = [
+        {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)},
+        }
+        for i, (name, args) in enumerate(reply.calls)
+    ]
     message: dict[str, Any] = {"role": "assistant", "content": reply.text}
     if tools:
         message["tool_calls"] = calls
-    whole = {"id": "c1", "object": "chat.completion", "created": 1, "model": model,
-             "choices": [{"index": 0, "message": message,
-                          "finish_reason": "tool_calls" if tools else "stop"}]}  # fmt: skip
+    whole = {
+        "id": "c1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": "tool_calls" if tools else "stop"}
+        ],
+    }
     if usage:
         whole["usage"] = usage
     base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": model}
-    events = [_sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                 "content": ""}}]})]  # fmt: skip
+    events = [
+        _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    ]
     half = len(reply.text) // 2
     words = ["x" * 1000] * 50 if "big" in model else [reply.text[:half], reply.text[half:]]
     for word in words:
         events.append(_sse({**base, "choices": [{"index": 0, "delta": {"content": word}}]}))
     if tools:
         for i, (name, args) in enumerate(reply.calls):
-            first = {"index": i, "id": f"call_{i}", "type": "function",
-                     "function": {"name": name, "arguments": ""}}  # fmt: skip
+            first = {
+                "index": i,
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
             rest = {"index": i, "function": {"arguments": json.dumps(args)}}
             for part in (first, rest):
                 delta = {"tool_calls": [part]}
                 events.append(_sse({**base, "choices": [{"index": 0, "delta": delta}]}))
     finish = "tool_calls" if tools else "stop"
-    events.append(_sse({**base, "choices": [{"index": 0, "delta": {},
-                                               "finish_reason": finish}]}))  # fmt: skip
+    events.append(_sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}))
     if include_usage and usage:
         events.append(_sse({**base, "choices": [], "usage": usage}))
     events.append(b"data: [DONE]\n\n")
@@ -158,64 +185,136 @@ def chat(model: str, reply: Reply, include_usage: bool) -> tuple[Any, list[bytes
 
 
 def responses(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
-    output: list[dict[str, Any]] = [{"type": "message", "id": "m1", "status": "completed",
-                                     "role": "assistant", "content": [
-                                         {"type": "output_text", "text": reply.text,
-                                          "annotations": []}]}]  # fmt: skip
+    output: list[dict[str, Any]] = [
+        {
+            "type": "message",
+            "id": "m1",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": reply.text, "annotations": []}],
+        }
+    ]
     for i, (name, args) in enumerate(reply.calls):
         if reply.local_shell:
-            output.append({"type": "local_shell_call", "id": f"ls{i}", "call_id": f"call_{i}",
-                           "status": "completed",
-                           "action": {"type": "exec", "command": args["command"],
-                                      "env": {}}})  # fmt: skip
+            output.append(
+                {
+                    "type": "local_shell_call",
+                    "id": f"ls{i}",
+                    "call_id": f"call_{i}",
+                    "status": "completed",
+                    "action": {"type": "exec", "command": args["command"], "env": {}},
+                }
+            )
         else:
-            output.append({"type": "function_call", "id": f"fc{i}", "call_id": f"call_{i}",
-                           "name": name, "arguments": json.dumps(args),
-                           "status": "completed"})  # fmt: skip
-    whole: dict[str, Any] = {"id": "r1", "object": "response", "created_at": 1,
-                             "status": "completed", "model": model, "output": output,
-                             "parallel_tool_calls": True, "tool_choice": "auto",
-                             "tools": []}  # fmt: skip
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc{i}",
+                    "call_id": f"call_{i}",
+                    "name": name,
+                    "arguments": json.dumps(args),
+                    "status": "completed",
+                }
+            )
+    whole: dict[str, Any] = {
+        "id": "r1",
+        "object": "response",
+        "created_at": 1,
+        "status": "completed",
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
     if "nousage" not in model:
-        whole["usage"] = {"input_tokens": INPUT, "output_tokens": OUTPUT,
-                          "total_tokens": INPUT + OUTPUT,
-                          "input_tokens_details": {"cached_tokens": 0},
-                          "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+        whole["usage"] = {
+            "input_tokens": INPUT,
+            "output_tokens": OUTPUT,
+            "total_tokens": INPUT + OUTPUT,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
     created = {**whole, "status": "in_progress", "output": []}
     created.pop("usage", None)
     seq = iter(range(1_000))
-    events = [_sse({"type": "response.created", "response": created,
-                    "sequence_number": next(seq)}, "response.created")]  # fmt: skip
+    events = [
+        _sse(
+            {"type": "response.created", "response": created, "sequence_number": next(seq)},
+            "response.created",
+        )
+    ]
     for index, item in enumerate(output):
         added = {**item, "status": "in_progress"}
         if item["type"] == "message":
             added["content"] = []
-        events.append(_sse({"type": "response.output_item.added", "output_index": index,
-                            "item": added, "sequence_number": next(seq)},
-                           "response.output_item.added"))  # fmt: skip
+        events.append(
+            _sse(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": index,
+                    "item": added,
+                    "sequence_number": next(seq),
+                },
+                "response.output_item.added",
+            )
+        )
         if item["type"] == "message":
-            events.append(_sse({"type": "response.output_text.delta", "item_id": item["id"],
-                                "output_index": index, "content_index": 0,
-                                "delta": reply.text, "sequence_number": next(seq)},
-                               "response.output_text.delta"))  # fmt: skip
-        events.append(_sse({"type": "response.output_item.done", "output_index": index,
-                            "item": item, "sequence_number": next(seq)},
-                           "response.output_item.done"))  # fmt: skip
-    events.append(_sse({"type": "response.completed", "response": whole,
-                        "sequence_number": next(seq)}, "response.completed"))  # fmt: skip
+            events.append(
+                _sse(
+                    {
+                        "type": "response.output_text.delta",
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "content_index": 0,
+                        "delta": reply.text,
+                        "sequence_number": next(seq),
+                    },
+                    "response.output_text.delta",
+                )
+            )
+        events.append(
+            _sse(
+                {
+                    "type": "response.output_item.done",
+                    "output_index": index,
+                    "item": item,
+                    "sequence_number": next(seq),
+                },
+                "response.output_item.done",
+            )
+        )
+    events.append(
+        _sse(
+            {"type": "response.completed", "response": whole, "sequence_number": next(seq)},
+            "response.completed",
+        )
+    )
     return whole, events
 
 
 def messages(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
     content: list[dict[str, Any]] = [{"type": "text", "text": reply.text}]
-    content += [{"type": "tool_use", "id": f"tu{i}", "name": name, "input": args}
-                for i, (name, args) in enumerate(reply.calls)]  # fmt: skip
-    usage = {"input_tokens": INPUT, "output_tokens": OUTPUT, "cache_read_input_tokens": CACHE_READ,
-             "cache_creation_input_tokens": CACHE_WRITE}  # fmt: skip
+    content += [
+        {"type": "tool_use", "id": f"tu{i}", "name": name, "input": args}
+        for i, (name, args) in enumerate(reply.calls)
+    ]
+    usage = {
+        "input_tokens": INPUT,
+        "output_tokens": OUTPUT,
+        "cache_read_input_tokens": CACHE_READ,
+        "cache_creation_input_tokens": CACHE_WRITE,
+    }
     stop_reason = "tool_use" if reply.calls else "end_turn"
-    whole: dict[str, Any] = {"id": "msg_1", "type": "message", "role": "assistant",
-                             "model": model, "content": content, "stop_reason": stop_reason,
-                             "stop_sequence": None}  # fmt: skip
+    whole: dict[str, Any] = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+    }
     if "nousage" not in model:
         whole["usage"] = usage
     start = {**whole, "content": [], "stop_reason": None}
@@ -225,20 +324,45 @@ def messages(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
     for i, block in enumerate(content):
         if block["type"] == "text":
             events += [
-                _sse({"type": "content_block_start", "index": i,
-                      "content_block": {"type": "text", "text": ""}}, "content_block_start"),
-                _sse({"type": "content_block_delta", "index": i,
-                      "delta": {"type": "text_delta", "text": reply.text}},
-                     "content_block_delta"),
-            ]  # fmt: skip
+                _sse(
+                    {
+                        "type": "content_block_start",
+                        "index": i,
+                        "content_block": {"type": "text", "text": ""},
+                    },
+                    "content_block_start",
+                ),
+                _sse(
+                    {
+                        "type": "content_block_delta",
+                        "index": i,
+                        "delta": {"type": "text_delta", "text": reply.text},
+                    },
+                    "content_block_delta",
+                ),
+            ]
         else:
-            events.append(_sse({"type": "content_block_start", "index": i,
-                                "content_block": {**block, "input": {}}},
-                               "content_block_start"))  # fmt: skip
+            events.append(
+                _sse(
+                    {
+                        "type": "content_block_start",
+                        "index": i,
+                        "content_block": {**block, "input": {}},
+                    },
+                    "content_block_start",
+                )
+            )
             partial = json.dumps(block["input"])
-            events.append(_sse({"type": "content_block_delta", "index": i,
-                                "delta": {"type": "input_json_delta", "partial_json": partial}},
-                               "content_block_delta"))  # fmt: skip
+            events.append(
+                _sse(
+                    {
+                        "type": "content_block_delta",
+                        "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": partial},
+                    },
+                    "content_block_delta",
+                )
+            )
         events.append(_sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
     stop = {"stop_reason": stop_reason, "stop_sequence": None}
     delta: dict[str, Any] = {"type": "message_delta", "delta": stop}
@@ -251,15 +375,26 @@ def messages(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
 async def handle(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body = json.loads(raw) if raw else {}
-    SEEN.append({"method": request.method, "path": request.path, "query": request.query_string,
-                 "headers": dict(request.headers), "body": body})  # fmt: skip
+    SEEN.append(
+        {
+            "method": request.method,
+            "path": request.path,
+            "query": request.query_string,
+            "headers": dict(request.headers),
+            "body": body,
+        }
+    )
     if request.path == "/_seen":
         return web.json_response(SEEN[:-1])
     if request.path == "/_script":
         return web.json_response({"used": SCRIPT.used if SCRIPT else 0})
     if request.path == "/v1/models":
-        return web.json_response({"object": "list", "data": [
-            {"id": "m", "object": "model", "created": 1, "owned_by": "test"}]})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": "m", "object": "model", "created": 1, "owned_by": "test"}],
+            }
+        )
     if request.path == "/v1/messages/count_tokens":
         return web.json_response({"input_tokens": INPUT})
     model = str(body.get("model", ""))
@@ -284,8 +419,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
         whole, events = messages(model, reply)
     if not stream:
         return web.json_response(whole, headers={"x-upstream": "scripted"})
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                      "x-upstream": "scripted"})  # fmt: skip
+    out = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "x-upstream": "scripted"}
+    )
     await out.prepare(request)
     if "long" in model:
         filler = events[1] if len(events) > 2 else events[0]

@@ -34,8 +34,9 @@ from tests.agent_tasks import trap as trap
 from tests.agent_tasks import where as where
 from tests.helpers import ROOT, seen
 
-needs_aider = pytest.mark.skipif(shutil.which("aider") is None,
-                                 reason="aider (PyPI aider-chat) is not installed")  # fmt: skip
+needs_aider = pytest.mark.skipif(
+    shutil.which("aider") is None, reason="aider (PyPI aider-chat) is not installed"
+)
 # aider's "whole" edit format: the file's path alone on a line, then the new file, fenced.
 FIX = "Fixing.\n\nfile.txt\n```\nfixed\n```\n"
 
@@ -86,8 +87,13 @@ def test_launch_is_headless_and_commits_nothing() -> None:
     argv = launch.argv
     assert argv[0] == "aider" and argv[-2:] == ["--message-file", "/p/prompt.txt"]
     assert argv[argv.index("--model") + 1] == argv[argv.index("--weak-model") + 1] == "openai/gpt-x"
-    for flag in ("--yes-always", "--no-auto-commits", "--no-dirty-commits", "--no-check-update",
-                 "--no-analytics"):  # fmt: skip
+    for flag in (
+        "--yes-always",
+        "--no-auto-commits",
+        "--no-dirty-commits",
+        "--no-check-update",
+        "--no-analytics",
+    ):
         assert flag in argv
     assert preset.launch(Context("x", "/p", "openai/m", "/w", 1)).argv.count("openai/m") == 2
     # The gateway and its token come from the step's environment, never from the preset.
@@ -106,8 +112,9 @@ def test_the_install_script_pins_the_version_the_preset_names() -> None:
 
 
 def _git(folder: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=30,
-                          check=True).stdout  # fmt: skip
+    return subprocess.run(
+        ["git", *args], cwd=folder, capture_output=True, text=True, timeout=30, check=True
+    ).stdout
 
 
 @needs_aider
@@ -123,9 +130,14 @@ def test_aider_posts_streamed_chat_to_its_provider_only(
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("file.txt says broken; make it say fixed.\n")
     launch = preset.launch(Context(prompt.read_text(), str(prompt), "scripted", str(work), 1))
-    env = {"HOME": str(home(tmp_path, launch)), **trap.env(), **launch.env,
-           "OPENAI_BASE_URL": f"{upstream}/v1", "OPENAI_API_BASE": f"{upstream}/v1",
-           "OPENAI_API_KEY": "tok-1"}  # fmt: skip
+    env = {
+        "HOME": str(home(tmp_path, launch)),
+        **trap.env(),
+        **launch.env,
+        "OPENAI_BASE_URL": f"{upstream}/v1",
+        "OPENAI_API_BASE": f"{upstream}/v1",
+        "OPENAI_API_KEY": "tok-1",
+    }
     reader = preset.AiderReader()
     done = run_direct(launch, work, env, reader)
     out = (done.stdout + done.stderr).decode(errors="replace")

@@ -37,11 +37,15 @@ from tests.agent_tasks import trap as trap
 from tests.agent_tasks import where as where
 from tests.helpers import ROOT, seen
 
-needs_claude = pytest.mark.skipif(shutil.which("claude") is None,
-                                  reason="claude (Claude Code) is not installed")  # fmt: skip
+needs_claude = pytest.mark.skipif(
+    shutil.which("claude") is None, reason="claude (Claude Code) is not installed"
+)
 # A task with claude as its agent; the gateway's Anthropic route goes to the upstream.
-CLAUDE: dict[str, Any] = {"agent": "claude", "model": "claude-scripted",
-                          "url_var": "OVERNIGHT_ANTHROPIC_URL"}  # fmt: skip
+CLAUDE: dict[str, Any] = {
+    "agent": "claude",
+    "model": "claude-scripted",
+    "url_var": "OVERNIGHT_ANTHROPIC_URL",
+}
 
 
 def _result(**kw: Any) -> bytes:
@@ -50,10 +54,8 @@ def _result(**kw: Any) -> bytes:
 
 INIT = json.dumps({"type": "system", "subtype": "init", "tools": ["Bash"]}).encode()
 OK = _result(subtype="success", is_error=False, result="Fixed\nfile.txt.", num_turns=2)
-API = _result(subtype="success", is_error=True, api_error_status=500,
-              result="API Error: 500 boom.")  # fmt: skip
-TURNS = _result(subtype="error_max_turns", is_error=True, num_turns=9,
-                terminal_reason="max_turns")  # fmt: skip
+API = _result(subtype="success", is_error=True, api_error_status=500, result="API Error: 500 boom.")
+TURNS = _result(subtype="error_max_turns", is_error=True, num_turns=9, terminal_reason="max_turns")
 EXEC = _result(subtype="error_during_execution", is_error=True, errors=["boom"])
 
 
@@ -112,10 +114,16 @@ def test_claude_posts_streamed_messages_to_its_provider_only(
     turns = [{"text": "Fixing.", "shell": FIX}, {"text": "Fixed file.txt."}]
     upstream = scripted(turns, count="tools")
     work = repo(tmp_path / "w")
-    launch = preset.launch(Context("Fix file.txt", str(tmp_path / "p.txt"), "claude-scripted",
-                                   str(work), 1))  # fmt: skip
-    env = {"HOME": str(home(tmp_path, launch)), **trap.env(), **launch.env,
-           "ANTHROPIC_BASE_URL": upstream, "ANTHROPIC_AUTH_TOKEN": "tok-1"}  # fmt: skip
+    launch = preset.launch(
+        Context("Fix file.txt", str(tmp_path / "p.txt"), "claude-scripted", str(work), 1)
+    )
+    env = {
+        "HOME": str(home(tmp_path, launch)),
+        **trap.env(),
+        **launch.env,
+        "ANTHROPIC_BASE_URL": upstream,
+        "ANTHROPIC_AUTH_TOKEN": "tok-1",
+    }
     reader = preset.ClaudeReader()
     done = run_direct(launch, work, env, reader)
     assert reader.said() == Said(True, "Fixed file.txt."), done.stdout[-3000:] + done.stderr
@@ -141,11 +149,24 @@ def test_as_root_it_needs_is_sandbox(tmp_path: Path) -> None:
     """Why the preset sets IS_SANDBOX=1: as root Claude Code refuses to skip permissions
     without it, before it sends any request."""
     launch = preset.launch(Context("hi", "/p.txt", "m", str(tmp_path), 1))
-    env = {"PATH": PATH, "HOME": str(tmp_path), **launch.env,
-           "ANTHROPIC_BASE_URL": "http://127.0.0.1:9", "ANTHROPIC_AUTH_TOKEN": "t"}  # fmt: skip
+    env = {
+        "PATH": PATH,
+        "HOME": str(tmp_path),
+        **launch.env,
+        "ANTHROPIC_BASE_URL": "http://127.0.0.1:9",
+        "ANTHROPIC_AUTH_TOKEN": "t",
+    }
     del env["IS_SANDBOX"]
-    done = subprocess.run(launch.argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        launch.argv,
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 1
     assert "cannot be used with root/sudo privileges" in done.stderr
 
@@ -157,8 +178,9 @@ def test_a_fix_by_claude_is_verified_and_every_request_charged(
 ) -> None:
     # git works in the worktree as the step user too (else "dubious ownership", exit 128).
     fix = f"git diff --quiet && {FIX}"
-    upstream = bench.scripted([{"text": "Fixing.", "shell": fix}, {"text": "Fixed file.txt."}],
-                              count="tools")  # fmt: skip
+    upstream = bench.scripted(
+        [{"text": "Fixing.", "shell": fix}, {"text": "Fixed file.txt."}], count="tools"
+    )
     done = bench.run(upstream, "claude-fix", folder=where[0], user=where[1], **CLAUDE)
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
     sent = completions(upstream)
@@ -171,8 +193,14 @@ def test_a_fix_by_claude_is_verified_and_every_request_charged(
 @needs_claude
 @pytest.mark.slow
 def test_a_premature_stop_is_reprompted_with_the_unmet_rule(bench: Bench) -> None:
-    upstream = bench.scripted([{"text": "Shall I continue?"}, {"text": "Fixing.", "shell": FIX},
-                              {"text": "Fixed file.txt."}], count="tools")  # fmt: skip
+    upstream = bench.scripted(
+        [
+            {"text": "Shall I continue?"},
+            {"text": "Fixing.", "shell": FIX},
+            {"text": "Fixed file.txt."},
+        ],
+        count="tools",
+    )
     done = bench.run(upstream, "claude-early", **CLAUDE)
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
     assert done["turns"] == 2, done

@@ -38,12 +38,18 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
-MSG = {"type": "item.completed", "item": {"id": "item_1", "type": "agent_message",
-                                          "text": "Fixed\nit."}}  # fmt: skip
-CMD = {"type": "item.completed", "item": {"id": "item_2", "type": "command_execution",
-                                          "command": "x", "exit_code": 0}}  # fmt: skip
-WARN = {"type": "item.completed", "item": {"id": "item_0", "type": "error",
-                                           "message": "Model metadata not found."}}  # fmt: skip
+MSG = {
+    "type": "item.completed",
+    "item": {"id": "item_1", "type": "agent_message", "text": "Fixed\nit."},
+}
+CMD = {
+    "type": "item.completed",
+    "item": {"id": "item_2", "type": "command_execution", "command": "x", "exit_code": 0},
+}
+WARN = {
+    "type": "item.completed",
+    "item": {"id": "item_0", "type": "error", "message": "Model metadata not found."},
+}
 DONE = {"type": "turn.completed", "usage": {"input_tokens": 1, "output_tokens": 1}}
 FAILED = {"type": "turn.failed", "error": {"message": "429 envelope default is empty"}}
 ERROR = {"type": "error", "message": "Connection failed"}
@@ -104,8 +110,9 @@ def test_codex_posts_to_its_provider_only(scripted: Scripted, trap: Trap, tmp_pa
     else, though every proxy variable points at a trap."""
     upstream = scripted([{"text": "Fixing.", "shell": FIX}, {"text": "Fixed."}])
     work = repo(tmp_path / "w")
-    launch = preset.launch(Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted",
-                                   str(work), 1, upstream))  # fmt: skip
+    launch = preset.launch(
+        Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted", str(work), 1, upstream)
+    )
     env = {"HOME": str(home(tmp_path, launch)), **trap.env(), "OPENAI_API_KEY": "tok-1"}
     reader = preset.CodexReader()
     done = run_direct(launch, work, env, reader)
@@ -139,8 +146,13 @@ def test_a_fix_by_codex_is_verified_and_every_request_charged(bench: Bench) -> N
 @needs_codex
 @pytest.mark.slow
 def test_a_premature_stop_is_reprompted_with_the_unmet_rule(bench: Bench) -> None:
-    upstream = bench.scripted([{"text": "Shall I continue?"}, {"text": "Fixing.", "shell": FIX},
-                              {"text": "Fixed file.txt."}])  # fmt: skip
+    upstream = bench.scripted(
+        [
+            {"text": "Shall I continue?"},
+            {"text": "Fixing.", "shell": FIX},
+            {"text": "Fixed file.txt."},
+        ]
+    )
     done = bench.run(upstream, "codex-early", agent="codex")
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
     assert done["turns"] == 2, done
@@ -154,8 +166,9 @@ def test_a_premature_stop_is_reprompted_with_the_unmet_rule(bench: Bench) -> Non
 @needs_codex
 @pytest.mark.slow
 def test_a_30s_model_wait_does_not_kill_the_step(bench: Bench) -> None:
-    upstream = bench.scripted([{"text": "Fixing.", "shell": FIX, "delay": 30},
-                              {"text": "Fixed file.txt."}])  # fmt: skip
+    upstream = bench.scripted(
+        [{"text": "Fixing.", "shell": FIX, "delay": 30}, {"text": "Fixed file.txt."}]
+    )
     done = bench.run(upstream, "codex-slow", agent="codex", heartbeat_gap=5)
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
     assert done["turns"] == 1, done

@@ -50,21 +50,34 @@ SUBMITTED = _outcome(exit_status="Submitted", api_calls=2, cost=0.0, submission=
         ([], None),
         ([b"This is mini-swe-agent version 2.4.6.", b'{"returncode": 0, "output": ""}'], None),
         ([SUBMITTED], Said(True, "Submitted after 2 model calls")),
-        ([_outcome(exit_status="Submitted", api_calls=1)],
-         Said(True, "Submitted after 1 model call")),
-        ([_outcome(exit_status="LimitsExceeded", api_calls=5, exception="")],
-         Said(False, "LimitsExceeded after 5 model calls")),
-        ([_outcome(exit_status="RepeatedFormatError", api_calls=3)],
-         Said(False, "RepeatedFormatError after 3 model calls")),
-        ([_outcome(exit_status="RuntimeError", api_calls=1, exception="Global\ncost limit")],
-         Said(False, "RuntimeError after 1 model call: Global cost limit")),
+        (
+            [_outcome(exit_status="Submitted", api_calls=1)],
+            Said(True, "Submitted after 1 model call"),
+        ),
+        (
+            [_outcome(exit_status="LimitsExceeded", api_calls=5, exception="")],
+            Said(False, "LimitsExceeded after 5 model calls"),
+        ),
+        (
+            [_outcome(exit_status="RepeatedFormatError", api_calls=3)],
+            Said(False, "RepeatedFormatError after 3 model calls"),
+        ),
+        (
+            [_outcome(exit_status="RuntimeError", api_calls=1, exception="Global\ncost limit")],
+            Said(False, "RuntimeError after 1 model call: Global cost limit"),
+        ),
         ([_outcome(exit_status=None)], Said(False, "mini-swe-agent wrote no trajectory")),
         # The hook's line comes last; one a command printed earlier does not count.
-        ([_outcome(exit_status="Submitted", api_calls=9), b"{not json",
-          _outcome(exit_status="TimeExceeded", api_calls=4)],
-         Said(False, "TimeExceeded after 4 model calls")),
+        (
+            [
+                _outcome(exit_status="Submitted", api_calls=9),
+                b"{not json",
+                _outcome(exit_status="TimeExceeded", api_calls=4),
+            ],
+            Said(False, "TimeExceeded after 4 model calls"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_reader_takes_the_hooks_outcome(lines: list[bytes], said: Said | None) -> None:
     reader = preset.MiniReader()
     for line in lines:
@@ -74,17 +87,29 @@ def test_the_reader_takes_the_hooks_outcome(lines: list[bytes], said: Said | Non
 
 @pytest.mark.parametrize(
     ("model", "arg"),
-    [("gpt-4o-mini", "openai/gpt-4o-mini"), ("Qwen/Qwen2.5-Coder", "openai/Qwen/Qwen2.5-Coder"),
-     ("openai/x", "openai/openai/x")],
-)  # fmt: skip
+    [
+        ("gpt-4o-mini", "openai/gpt-4o-mini"),
+        ("Qwen/Qwen2.5-Coder", "openai/Qwen/Qwen2.5-Coder"),
+        ("openai/x", "openai/openai/x"),
+    ],
+)
 def test_litellm_is_asked_for_the_model_name_exactly(model: str, arg: str) -> None:
     assert preset.model_arg(model) == arg
 
 
 def test_launch_runs_mini_itself_headless_with_its_hook() -> None:
     launch = preset.launch(Context("fix it", "/p/prompt.txt", "m", "/w", 1, "http://gw"))
-    assert launch.argv == ["mini", "--yolo", "--exit-immediately", "--cost-limit", "0",
-                           "--model", "openai/m", "--task", "fix it"]  # fmt: skip
+    assert launch.argv == [
+        "mini",
+        "--yolo",
+        "--exit-immediately",
+        "--cost-limit",
+        "0",
+        "--model",
+        "openai/m",
+        "--task",
+        "fix it",
+    ]
     assert launch.env["MSWEA_CONFIGURED"] == "true"
     assert launch.env["MSWEA_COST_TRACKING"] == "ignore_errors"
     assert launch.env["LITELLM_OFFLINE_MODE"] == "true"
@@ -102,12 +127,25 @@ def test_the_hooks_outcome_reads_the_trajectory(tmp_path: Path) -> None:
     outcome = _hook()["outcome"]
     path = tmp_path / "t.json"
     assert outcome(str(path)) == {"exit_status": None}
-    path.write_text(json.dumps({
-        "info": {"exit_status": "RuntimeError", "submission": "",
-                 "model_stats": {"api_calls": 3, "instance_cost": 0.0}},
-        "messages": [{"role": "exit", "extra": {"exception_str": "boom"}}]}))  # fmt: skip
-    assert outcome(str(path)) == {"exit_status": "RuntimeError", "api_calls": 3, "cost": 0.0,
-                                  "submission": "", "exception": "boom"}  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "info": {
+                    "exit_status": "RuntimeError",
+                    "submission": "",
+                    "model_stats": {"api_calls": 3, "instance_cost": 0.0},
+                },
+                "messages": [{"role": "exit", "extra": {"exception_str": "boom"}}],
+            }
+        )
+    )
+    assert outcome(str(path)) == {
+        "exit_status": "RuntimeError",
+        "api_calls": 3,
+        "cost": 0.0,
+        "submission": "",
+        "exception": "boom",
+    }
     path.write_text("[1]")
     assert outcome(str(path)) == {"exit_status": None}
 
@@ -120,11 +158,23 @@ def test_the_pth_line_runs_the_hook_the_step_names_and_hides_it_from_children(
     after = "\nimport os; print('left:', os.environ.get('OVERNIGHT_MINI_HOOK'))"
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     hook = {"OVERNIGHT_MINI_HOOK": preset.ENV["OVERNIGHT_MINI_HOOK"]}
-    named = subprocess.run([sys.executable, "-c", preset.PTH_LINE + after], capture_output=True,
-                           text=True, timeout=30, check=True, env={**env, **hook})  # fmt: skip
+    named = subprocess.run(
+        [sys.executable, "-c", preset.PTH_LINE + after],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env={**env, **hook},
+    )
     assert named.stdout == "hook as overnight_mini_hook\nleft: None\n"
-    unnamed = subprocess.run([sys.executable, "-c", preset.PTH_LINE + after], capture_output=True,
-                             text=True, timeout=30, check=True, env=env)  # fmt: skip
+    unnamed = subprocess.run(
+        [sys.executable, "-c", preset.PTH_LINE + after],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env=env,
+    )
     assert unnamed.stdout == "left: None\n"
 
 
@@ -153,11 +203,17 @@ def test_mini_posts_chat_completions_to_its_base_url_only(
     fix = f"{FIX}; printenv OVERNIGHT_MINI_HOOK > hook.txt; true"
     upstream = scripted([{"text": "Fixing.", "shell": fix}, {"text": "Done.", "shell": SUBMIT}])
     work = repo(tmp_path / "w")
-    launch = preset.launch(Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted",
-                                   str(work), 1))  # fmt: skip
-    env = {"HOME": str(home(tmp_path, launch)), **trap.env(),
-           "OPENAI_BASE_URL": f"{upstream}/v1", "OPENAI_API_BASE": f"{upstream}/v1",
-           "OPENAI_API_KEY": "tok-1", **launch.env}  # fmt: skip
+    launch = preset.launch(
+        Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted", str(work), 1)
+    )
+    env = {
+        "HOME": str(home(tmp_path, launch)),
+        **trap.env(),
+        "OPENAI_BASE_URL": f"{upstream}/v1",
+        "OPENAI_API_BASE": f"{upstream}/v1",
+        "OPENAI_API_KEY": "tok-1",
+        **launch.env,
+    }
     reader = preset.MiniReader()
     done = run_direct(launch, work, env, reader)
     out = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
@@ -203,8 +259,9 @@ def test_a_premature_stop_is_reprompted_with_the_unmet_rule(bench: Bench) -> Non
     """A reply without a command is a format error mini sends back; after three in a row it
     stops (RepeatedFormatError, exit 0). The rule fails, and the next turn's prompt names it."""
     ask = {"text": "Shall I continue?"}
-    upstream = bench.scripted([ask, ask, ask, {"text": "Fixing.", "shell": FIX},
-                              {"text": "Done.", "shell": SUBMIT}])  # fmt: skip
+    upstream = bench.scripted(
+        [ask, ask, ask, {"text": "Fixing.", "shell": FIX}, {"text": "Done.", "shell": SUBMIT}]
+    )
     done = bench.run(upstream, "mini-early", agent=MINI, max_calls=20)
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
     assert done["turns"] == 2, done
@@ -224,8 +281,9 @@ def test_a_premature_stop_is_reprompted_with_the_unmet_rule(bench: Bench) -> Non
 def test_a_30s_model_wait_does_not_kill_the_step(bench: Bench) -> None:
     """A 5 s gap: mini's start-up (litellm's import) is covered by the hook's lines, the
     30 s answer by the gateway's beats while the request is in flight."""
-    upstream = bench.scripted([{"text": "Fixing.", "shell": FIX, "delay": 30},
-                              {"text": "Done.", "shell": SUBMIT}])  # fmt: skip
+    upstream = bench.scripted(
+        [{"text": "Fixing.", "shell": FIX, "delay": 30}, {"text": "Done.", "shell": SUBMIT}]
+    )
     done = bench.run(upstream, "mini-slow", agent=MINI, max_calls=20, heartbeat_gap=5)
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
     assert done["turns"] == 1, done

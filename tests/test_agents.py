@@ -67,9 +67,14 @@ def fake_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     cli = bin_dir / "fake-cli"
     cli.write_text(f"#!{sys.executable}\n{FAKE_CLI}")
     cli.chmod(0o755)
-    preset = agents.Preset(name="fake", program="fake-cli", wire="anthropic",
-                           install="pip install fake-cli", launch=fake_launch,
-                           reader=FakeReader)  # fmt: skip
+    preset = agents.Preset(
+        name="fake",
+        program="fake-cli",
+        wire="anthropic",
+        install="pip install fake-cli",
+        launch=fake_launch,
+        reader=FakeReader,
+    )
     monkeypatch.setitem(agents.MODULES, "fake", "fake")
     monkeypatch.setitem(agents.PRESETS, "fake", preset)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -77,22 +82,33 @@ def fake_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
 
 def task(tmp_path: Path, **kw: Any) -> TaskSpec:
-    data: dict[str, Any] = {"assignment": "use the fake agent, then succeed",
-                            "workdir": str(tmp_path), "agent": "fake", "max_calls": 10,
-                            "verifier": [{"name": "saw", "run": ["test", "-f", "seen.json"]}],
-                            **kw}  # fmt: skip
+    data: dict[str, Any] = {
+        "assignment": "use the fake agent, then succeed",
+        "workdir": str(tmp_path),
+        "agent": "fake",
+        "max_calls": 10,
+        "verifier": [{"name": "saw", "run": ["test", "-f", "seen.json"]}],
+        **kw,
+    }
     return TaskSpec.model_validate(data)
 
 
 def run(
-    r: redis.Redis, namespace: str, tmp_path: Path, spec: TaskSpec,
+    r: redis.Redis,
+    namespace: str,
+    tmp_path: Path,
+    spec: TaskSpec,
     gateway: str | None = "http://127.0.0.1:9",
-) -> TaskStore:  # fmt: skip
+) -> TaskStore:
     store = TaskStore(r, Keys(namespace))
     [rec] = store.create([spec], queue="q")
     # The plain runner gives steps no gateway token; a preset still needs one configured.
-    config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "prompts", gateway_url=gateway,
-                        preset_models={"openai": "gpt-x", "anthropic": "claude-x"})  # fmt: skip
+    config = LoopConfig(
+        claim_ttl=5,
+        prompt_dir=tmp_path / "prompts",
+        gateway_url=gateway,
+        preset_models={"openai": "gpt-x", "anthropic": "claude-x"},
+    )
     TaskLoop(store, plain_runner, Budget(100), config).run(rec.id, rec.attempt, Runner(worker="t"))
     return store
 
@@ -114,11 +130,13 @@ def test_task_file_takes_a_preset_name_or_a_command(tmp_path: Path) -> None:
         ("model", '"a\\nb"', "model: must be non-blank text on one line"),
     ],
 )
-def test_a_bad_preset_or_model_is_one_line(tmp_path: Path, key: str, value: str,
-                                           problem: str) -> None:  # fmt: skip
+def test_a_bad_preset_or_model_is_one_line(
+    tmp_path: Path, key: str, value: str, problem: str
+) -> None:
     path = tmp_path / "t.toml"
-    path.write_text(f'assignment = "x"\n{key} = {value}\n[[verifier]]\nname = "t"\n'
-                    'run = ["true"]\n')  # fmt: skip
+    path.write_text(
+        f'assignment = "x"\n{key} = {value}\n[[verifier]]\nname = "t"\nrun = ["true"]\n'
+    )
     with pytest.raises(TaskFileError) as info:
         load(path, state=tmp_path / "state")
     assert len(info.value.problems) == 1
@@ -166,8 +184,11 @@ def test_a_preset_step_gets_its_argv_env_and_files_and_its_account_is_kept(
     assert Path(seen["argv"][2]).read_text().startswith("Assignment:\nuse the fake agent")
     assert seen["argv"][3] == "succeed"
     assert (seen["cfg"], seen["mode"], seen["flavour"]) == ('model = "claude-x"\n', "0o600", "mild")
-    finished = [rc for rc in receipts.read(r, Keys(namespace), task_id=rec.id)
-                if rc.kind == "step_finished" and rc.data["step"] == "agent"]  # fmt: skip
+    finished = [
+        rc
+        for rc in receipts.read(r, Keys(namespace), task_id=rec.id)
+        if rc.kind == "step_finished" and rc.data["step"] == "agent"
+    ]
     assert [(rc.data["agent_said"], rc.data["agent_ok"]) for rc in finished] == [
         ("did it all", True)
     ]

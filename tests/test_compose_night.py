@@ -71,8 +71,15 @@ def test_a_compose_night_ends_at_the_stop_time(
     url, bodies = inbox
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    task_file(tasks, "night-owl", ["sh", "-c", "sleep 600"], [["true"]], heartbeat_gap=300,
-              lease_seconds=900, deadline=3600)  # fmt: skip
+    task_file(
+        tasks,
+        "night-owl",
+        ["sh", "-c", "sleep 600"],
+        [["true"]],
+        heartbeat_gap=300,
+        lease_seconds=900,
+        deadline=3600,
+    )
     # Room for the worker to start and take the task under a loaded machine.
     stop_at = datetime.now().astimezone() + timedelta(seconds=20)
     dotenv = {  # what the user's .env would say
@@ -95,9 +102,12 @@ def test_a_compose_night_ends_at_the_stop_time(
         for i in range(WORKERS if name == "worker" else 1):
             with open(logs / f"{name}-{i}.log", "wb") as out:
                 procs[f"{name}-{i}"] = subprocess.Popen(
-                    service_argv(svc["command"], tasks), env=svc_env, cwd=tasks,
-                    stdout=out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
+                    service_argv(svc["command"], tasks),
+                    env=svc_env,
+                    cwd=tasks,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
     exits: dict[str, float] = {}
     try:
         for name, proc in procs.items():
@@ -111,8 +121,14 @@ def test_a_compose_night_ends_at_the_stop_time(
                 proc.wait()
 
     keys = Keys(namespace)
-    shown = subprocess.run([OVERNIGHT, "status"], env={**env, **dotenv}, capture_output=True,
-                           text=True, timeout=60, check=True)  # fmt: skip
+    shown = subprocess.run(
+        [OVERNIGHT, "status"],
+        env={**env, **dotenv},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     (record,) = json.loads(shown.stdout)
     assert record["state"] == "queued" and "night ended" in record["detail"]
     seen = receipts.read(r, keys, task_id="night-owl")

@@ -61,18 +61,29 @@ WORKER_ENV = {
         ({"overnight_redis_url": "redis://x", "redis_password": "p"}, {}),
         ({"MY_API_KEY": "k", "OVERNIGHT_LEASE_TOKEN": "1"}, {}),
         ({"HOME": "/", "TMPDIR": "/", "OVERNIGHT_LEASE_ID": "other"}, {}),
-        ({"OVERNIGHT_PROMPT": "do it", "OVERNIGHT_TURN": "2"},
-         {"OVERNIGHT_PROMPT": "do it", "OVERNIGHT_TURN": "2"}),
+        (
+            {"OVERNIGHT_PROMPT": "do it", "OVERNIGHT_TURN": "2"},
+            {"OVERNIGHT_PROMPT": "do it", "OVERNIGHT_TURN": "2"},
+        ),
     ],
-)  # fmt: skip
+)
 def test_step_environment(declared: dict[str, str], expected: dict[str, str]) -> None:
     channel = {"OVERNIGHT_BEAT_SOCKET": "/run/b/s", "OVERNIGHT_LEASE_ID": "L1"}
-    env = step_environment(WORKER_ENV, declared, lease_id="L1", task_id="T1", home="/h",
-                           channel=channel)  # fmt: skip
-    base = {"PATH": "/opt/bin:/usr/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "TERM": "xterm", "TZ": "UTC", "HOME": "/h", "TMPDIR": "/h/tmp",
-            "OVERNIGHT_LEASE_ID": "L1", "OVERNIGHT_TASK_ID": "T1",
-            "OVERNIGHT_BEAT_SOCKET": "/run/b/s"}  # fmt: skip
+    env = step_environment(
+        WORKER_ENV, declared, lease_id="L1", task_id="T1", home="/h", channel=channel
+    )
+    base = {
+        "PATH": "/opt/bin:/usr/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "TERM": "xterm",
+        "TZ": "UTC",
+        "HOME": "/h",
+        "TMPDIR": "/h/tmp",
+        "OVERNIGHT_LEASE_ID": "L1",
+        "OVERNIGHT_TASK_ID": "T1",
+        "OVERNIGHT_BEAT_SOCKET": "/run/b/s",
+    }
     assert env == {**base, **expected}
     assert API_KEY not in json.dumps(env) and REDIS_AUTH not in json.dumps(env)
 
@@ -164,8 +175,9 @@ def reader(table: dict[int, tuple[int, int]]) -> Callable[[int], Proc | None]:
     ],
 )
 def test_who_may_beat(pid: int, root_start: int | None, ours: bool) -> None:
-    got = in_tree(pid, root=200, root_start=root_start, adopter=ME, other_roots={600},
-                  read=reader(TABLE))  # fmt: skip
+    got = in_tree(
+        pid, root=200, root_start=root_start, adopter=ME, other_roots={600}, read=reader(TABLE)
+    )
     assert got == ours
 
 
@@ -214,16 +226,30 @@ while time.monotonic() < end:
 json.dump({"env": env, "res": res}, open(out_file, "w"))
 print("hostile step done", flush=True)
 """
-VICTIM = "import json, os, sys, time\njson.dump(dict(os.environ), open(sys.argv[1], 'w'))\n" \
-    "time.sleep(120)\n"  # fmt: skip
+VICTIM = (
+    "import json, os, sys, time\njson.dump(dict(os.environ), open(sys.argv[1], 'w'))\n"
+    "time.sleep(120)\n"
+)
 
 
 def start_victim(env: dict[str, str], tmp_path: Path, gap: float) -> tuple[Any, Path]:
     victim_env = tmp_path / "victim-env.json"
     script = tmp_path / "victim.py"
     script.write_text(VICTIM)
-    proc = start(["--gap", str(gap), "--grace", "0.5", "--no-output-beats", "--", PY,
-                  str(script), str(victim_env)], env)  # fmt: skip
+    proc = start(
+        [
+            "--gap",
+            str(gap),
+            "--grace",
+            "0.5",
+            "--no-output-beats",
+            "--",
+            PY,
+            str(script),
+            str(victim_env),
+        ],
+        env,
+    )
     return proc, victim_env
 
 
@@ -264,8 +290,21 @@ def test_hostile_step_under_supervise(env: dict[str, str], tmp_path: Path) -> No
     victim, victim_env = start_victim(env, tmp_path, gap=4)
     try:
         wait_for(victim_env.exists, timeout=20)
-        proc = start(["--gap", "2", "--no-output-beats", "--", PY, str(hostile),
-                      str(victim_env), str(out_file), "3", OVERNIGHT], env)  # fmt: skip
+        proc = start(
+            [
+                "--gap",
+                "2",
+                "--no-output-beats",
+                "--",
+                PY,
+                str(hostile),
+                str(victim_env),
+                str(out_file),
+                "3",
+                OVERNIGHT,
+            ],
+            env,
+        )
         stdout, stderr = proc.communicate(timeout=90)
     finally:
         check_victim_lapsed(victim, 4)
@@ -280,32 +319,45 @@ def test_hostile_step_under_supervise(env: dict[str, str], tmp_path: Path) -> No
 
 @pytest.mark.timeout(180)
 def test_hostile_step_as_a_task_agent(env: dict[str, str], tmp_path: Path) -> None:
-    tenv = {**env, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"], "OVERNIGHT_GRACE": "0.5",
-            "OVERNIGHT_MODEL_API_KEY": API_KEY, "REDISCLI_AUTH": REDIS_AUTH}  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
+        "OVERNIGHT_GRACE": "0.5",
+        "OVERNIGHT_MODEL_API_KEY": API_KEY,
+        "REDISCLI_AUTH": REDIS_AUTH,
+    }
     hostile, out_file = tmp_path / "hostile.py", tmp_path / "hostile-out.json"
     hostile.write_text(HOSTILE)
     victim, victim_env = start_victim(env, tmp_path, gap=8)  # outlives the worker's start-up
     try:
         wait_for(victim_env.exists, timeout=20)
         agent = [PY, str(hostile), str(victim_env), str(out_file), "2.5", OVERNIGHT]
-        path = task_file(tmp_path, "hostile", agent, [["test", "-f", str(out_file)]],
-                         heartbeat_gap=2)  # fmt: skip
+        path = task_file(
+            tmp_path, "hostile", agent, [["test", "-f", str(out_file)]], heartbeat_gap=2
+        )
         path.write_text(path.read_text() + '\n[env]\nTASK_VAR = "declared"\n')
         cli = [OVERNIGHT]
-        assert subprocess.run([*cli, "envelope", "reset", "5"], env=tenv, timeout=30,
-                              capture_output=True).returncode == 0  # fmt: skip
-        sub = subprocess.run([*cli, "submit", str(path)], env=tenv, timeout=30,
-                             capture_output=True, text=True)  # fmt: skip
+        assert (
+            subprocess.run(
+                [*cli, "envelope", "reset", "5"], env=tenv, timeout=30, capture_output=True
+            ).returncode
+            == 0
+        )
+        sub = subprocess.run(
+            [*cli, "submit", str(path)], env=tenv, timeout=30, capture_output=True, text=True
+        )
         assert sub.returncode == 0, sub.stderr
-        worker = subprocess.run([*cli, "worker", "--burst"], env=tenv, timeout=150,
-                                capture_output=True, text=True)  # fmt: skip
+        worker = subprocess.run(
+            [*cli, "worker", "--burst"], env=tenv, timeout=150, capture_output=True, text=True
+        )
     finally:
         check_victim_lapsed(victim, 8)
     assert worker.returncode == 0, worker.stderr[-3000:]
     for secret in (API_KEY, REDIS_AUTH):
         assert secret not in worker.stdout + worker.stderr
-    status = subprocess.run([*cli, "status", "hostile"], env=tenv, timeout=30,
-                            capture_output=True, text=True)  # fmt: skip
+    status = subprocess.run(
+        [*cli, "status", "hostile"], env=tenv, timeout=30, capture_output=True, text=True
+    )
     assert json.loads(status.stdout)["state"] == "finished_verified", status.stdout
     out = json.loads(out_file.read_text())
     assert out["env"]["TASK_VAR"] == "declared" and out["env"]["OVERNIGHT_TASK_ID"] == "hostile"

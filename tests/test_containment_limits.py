@@ -45,8 +45,9 @@ def test_a_pushed_deadline_does_not_extend_the_step(
 ) -> None:
     pid_file = tmp_path / "pid"
     argv = ["--deadline", "2", "--gap", "30", "--grace", "0.5", "--", PY, "-c", PUSH]
-    code, doc, out = supervise([*argv, env["OVERNIGHT_REDIS_URL"], namespace, "1",
-                                str(pid_file)], env, timeout=60)  # fmt: skip
+    code, doc, out = supervise(
+        [*argv, env["OVERNIGHT_REDIS_URL"], namespace, "1", str(pid_file)], env, timeout=60
+    )
     assert doc["deadline_unix"] > doc["started_unix"] + 1000, out  # the push landed
     assert (code, doc["status"], doc["note"]) == (2, "expired", "budget-exceeded"), out
     assert_all_gone([int(pid_file.read_text())])
@@ -57,8 +58,9 @@ def test_a_pushed_liveness_key_does_not_excuse_a_silent_step(
 ) -> None:
     pid_file = tmp_path / "pid"
     argv = ["--deadline", "120", "--gap", "1.5", "--grace", "0.5", "--", PY, "-c", PUSH]
-    code, doc, out = supervise([*argv, env["OVERNIGHT_REDIS_URL"], namespace, "0",
-                                str(pid_file)], env, timeout=60)  # fmt: skip
+    code, doc, out = supervise(
+        [*argv, env["OVERNIGHT_REDIS_URL"], namespace, "0", str(pid_file)], env, timeout=60
+    )
     assert doc["deadline_unix"] > doc["started_unix"] + 1000, out
     assert code == 3 and doc["status"] == "killed", out
     assert doc["note"].startswith("heartbeat-gap-"), doc["note"]
@@ -76,26 +78,33 @@ FOREVER = (
 def test_rq_job_timeout_ends_the_step_through_its_lease(
     env: dict[str, str], namespace: str, tmp_path: Path, r: redis.Redis
 ) -> None:
-    tenv = {**env, "OVERNIGHT_QUEUE": namespace, "OVERNIGHT_GRACE": "0.5",
-            "OVERNIGHT_TASK_CLAIM_TTL": "1"}  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_QUEUE": namespace,
+        "OVERNIGHT_GRACE": "0.5",
+        "OVERNIGHT_TASK_CLAIM_TTL": "1",
+    }
     path = task_file(tmp_path, "slow", [PY, "-c", FOREVER], [["true"]], on_unknown="pause")
     run = [OVERNIGHT, "envelope", "reset", "10"]
     assert subprocess.run(run, env=tenv, capture_output=True, timeout=30).returncode == 0
-    sub = subprocess.run([OVERNIGHT, "submit", str(path)], env=tenv, capture_output=True,
-                         text=True, timeout=30)  # fmt: skip
+    sub = subprocess.run(
+        [OVERNIGHT, "submit", str(path)], env=tenv, capture_output=True, text=True, timeout=30
+    )
     assert sub.returncode == 0, sub.stderr
     (job_key,) = [key for key in r.keys("rq:job:slow-*") if r.type(key) == "hash"]
     r.hset(job_key, "timeout", 2)  # RQ's own timeout, far below the task's deadline
-    work = subprocess.run([OVERNIGHT, "worker", "--burst"], env=tenv, capture_output=True,
-                          text=True, timeout=90)  # fmt: skip
+    work = subprocess.run(
+        [OVERNIGHT, "worker", "--burst"], env=tenv, capture_output=True, text=True, timeout=90
+    )
     assert work.returncode == 0, work.stderr[-3000:]
     assert "JobTimeoutException" in work.stderr, work.stderr[-3000:]
     agent = int((tmp_path / "slow" / "agent.pid").read_text())
     wait_for(lambda: not pid_alive(agent), timeout=10)
     (lease,) = [d for d in Leases(r, Keys(namespace)).recent() if d.task_id == "slow"]
     assert (lease.status, lease.note) == ("killed", "supervisor-signal-14")
-    status = subprocess.run([OVERNIGHT, "status", "slow"], env=tenv, capture_output=True,
-                            text=True, timeout=30)  # fmt: skip
+    status = subprocess.run(
+        [OVERNIGHT, "status", "slow"], env=tenv, capture_output=True, text=True, timeout=30
+    )
     task = json.loads(status.stdout)
     assert task["state"] == "paused_for_reconciliation", task
     assert not r.exists(Keys(namespace).task_claim("slow"))

@@ -152,8 +152,9 @@ def shim_path(base: Path) -> str:
     folder ``nobody`` cannot enter (pyenv under /root), the venv's link falls back to the
     system Python, whose older 3.11 makes redis-py import ``async_timeout``; the stdlib's
     ``asyncio.timeout`` stands in for it (nothing here runs asyncio)."""
-    probe = subprocess.run(as_nobody([PY, "-c", "import redis"]), capture_output=True,
-                           cwd="/", timeout=30, check=False)  # fmt: skip
+    probe = subprocess.run(
+        as_nobody([PY, "-c", "import redis"]), capture_output=True, cwd="/", timeout=30, check=False
+    )
     if probe.returncode == 0:
         return ""
     shim = base / "shim"
@@ -205,21 +206,35 @@ def test_a_step_reads_nothing_of_the_control_plane(
     chown_tree(base)
 
     def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(as_nobody([OVERNIGHT, *args]), env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)  # fmt: skip
+        return subprocess.run(
+            as_nobody([OVERNIGHT, *args]),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
     assert cli("envelope", "reset", "10").returncode == 0
     submitted = cli("submit", *map(str, files))
     assert submitted.returncode == 0, submitted.stderr
     # A same-uid process that is dumpable and holds both secrets: the attack must find them.
     decoy = subprocess.Popen(as_nobody([PY, "-c", DECOY, str(base / "decoy.pid")]), env=env)
-    reaper = subprocess.Popen(as_nobody([OVERNIGHT, "reaper", "--interval", "0.5"]), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    reaper = subprocess.Popen(
+        as_nobody([OVERNIGHT, "reaper", "--interval", "0.5"]),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         decoy_pid = int(wait_for(lambda: _text(base / "decoy.pid"), timeout=20))
-        worker = subprocess.Popen(as_nobody([OVERNIGHT, "worker", "--burst"]), env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)  # fmt: skip
+        worker = subprocess.Popen(
+            as_nobody([OVERNIGHT, "worker", "--burst"]),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         out, _ = worker.communicate(timeout=120)
         assert worker.returncode == 0, out[-3000:]
     finally:

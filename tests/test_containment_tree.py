@@ -164,9 +164,16 @@ def test_control_without_overnight_the_escapees_outlive_their_step(
     group = cgroup.create(f"t-{uuid.uuid4().hex[:8]}", "control")
     assert group is not None
     try:
-        with subprocess.Popen(argv(stage, mode, mark), cwd=stage, preexec_fn=group.enter,
-                              user=step_user.uid, group=step_user.gid, extra_groups=[],
-                              stdout=subprocess.PIPE, start_new_session=True) as proc:  # fmt: skip
+        with subprocess.Popen(
+            argv(stage, mode, mark),
+            cwd=stage,
+            preexec_fn=group.enter,
+            user=step_user.uid,
+            group=step_user.gid,
+            extra_groups=[],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        ) as proc:
             assert proc.stdout is not None
             assert proc.stdout.readline().strip() == b"launched"
             if mode == "deaf":
@@ -193,8 +200,14 @@ def test_no_escapee_outlives_the_lease(
     mark = f"overnight-escape-{uuid.uuid4().hex}"
     env = {**env, "OVERNIGHT_STEP_USER": step_user.name}
     args = ["--gap", "6", "--grace", "0.5", "--"]
-    proc = subprocess.run([OVERNIGHT, "supervise", *args, *argv(stage, mode, mark)], env=env,
-                          cwd=stage, capture_output=True, text=True, timeout=90)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", *args, *argv(stage, mode, mark)],
+        env=env,
+        cwd=stage,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     # At the moment the lease has ended, nothing of the tree is alive: no wait here.
     alive = marked(mark)
     assert alive == [], (alive, proc.stderr[-2000:])
@@ -217,8 +230,14 @@ def test_the_proc_fallback_holds_too(
     """Where no cgroup can be made (a plain user), the /proc path ends the tree: repeated
     scans to a fixed point, SIGSTOP before SIGKILL."""
     mark = f"overnight-escape-{uuid.uuid4().hex}"
-    spec = StepSpec(argv=argv(stage, mode, mark), cwd=str(stage), gap=6, grace=0.5,
-                    user=step_user, contain=False)  # fmt: skip
+    spec = StepSpec(
+        argv=argv(stage, mode, mark),
+        cwd=str(stage),
+        gap=6,
+        grace=0.5,
+        user=step_user,
+        contain=False,
+    )
     result = run_supervised(r, Keys(namespace), spec, on_output=lambda line: None)
     alive = marked(mark)
     assert alive == [], alive
@@ -247,8 +266,13 @@ def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict
         mark = f"overnight-escape-{uuid.uuid4().hex}"
         plain = {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"}
         as_nobody = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
-        probe = subprocess.run([*as_nobody, sys.executable, "-c", "import redis"], cwd="/",
-                               capture_output=True, timeout=30, check=False)  # fmt: skip
+        probe = subprocess.run(
+            [*as_nobody, sys.executable, "-c", "import redis"],
+            cwd="/",
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
         if probe.returncode != 0:
             # Root's interpreter out of reach (pyenv under /root): the system Python stands
             # in, whose 3.11 makes redis-py import async_timeout; asyncio's does the job.
@@ -256,9 +280,14 @@ def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict
             (stage / "shim" / "async_timeout.py").write_text("from asyncio import timeout\n")
             plain["PYTHONPATH"] = str(stage / "shim")
         args = ["--gap", "6", "--grace", "0.5", "--"]
-        proc = subprocess.run([*as_nobody, OVERNIGHT, "supervise", *args,
-                               *argv(stage, mode, mark)], env=plain, cwd=stage,
-                              capture_output=True, text=True, timeout=90)  # fmt: skip
+        proc = subprocess.run(
+            [*as_nobody, OVERNIGHT, "supervise", *args, *argv(stage, mode, mark)],
+            env=plain,
+            cwd=stage,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert marked(mark) == [], proc.stderr[-2000:]
         assert ran(stage) == [mode], proc.stderr[-2000:]
         assert proc.returncode == (3 if mode == "deaf" else 0), proc.stderr[-2000:]

@@ -114,13 +114,20 @@ def test_commands_that_run_steps_refuse_with_one_line(
     args: list[str], settings: dict[str, str], env: dict[str, str], tmp_path: Path
 ) -> None:
     env = {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"}
-    proc = subprocess.run([OVERNIGHT, *args], env={**env, **settings}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, *args],
+        env={**env, **settings},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 78, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert ("OVERNIGHT_ALLOW_ROOT_STEPS" if "perhaps" in settings.values() else
-            "OVERNIGHT_STEP_USER") in lines[0]  # fmt: skip
+    assert (
+        "OVERNIGHT_ALLOW_ROOT_STEPS" if "perhaps" in settings.values() else "OVERNIGHT_STEP_USER"
+    ) in lines[0]
 
 
 @ROOT_ONLY
@@ -129,9 +136,14 @@ def test_a_step_user_cannot_be_honoured_by_a_plain_user(env: dict[str, str]) -> 
     if setpriv is None:
         pytest.skip("no setpriv")
     as_nobody = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
-    proc = subprocess.run([*as_nobody, OVERNIGHT, "supervise", "--", "true"],
-                          env={**env, "OVERNIGHT_STEP_USER": "nobody"}, cwd="/",
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [*as_nobody, OVERNIGHT, "supervise", "--", "true"],
+        env={**env, "OVERNIGHT_STEP_USER": "nobody"},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 78, proc.stderr
     assert proc.stderr.count("\n") == 1 and "OVERNIGHT_STEP_USER: cannot be honoured" in proc.stderr
 
@@ -253,39 +265,66 @@ def test_a_hostile_step_under_supervise_runs_as_the_step_user_and_gets_nothing(
     key = f"sk-{uuid.uuid4().hex}"
     env = {**env, "OVERNIGHT_STEP_USER": step_user.name, "OVERNIGHT_MODEL_API_KEY": key}
     out = stage / "report.json"
-    proc = subprocess.run([OVERNIGHT, "supervise", "--", PY3, str(stage / "probe.py"),
-                           str(redis_server.port), str(out)], env=env, cwd=stage,
-                          capture_output=True, text=True, timeout=50)  # fmt: skip
+    proc = subprocess.run(
+        [
+            OVERNIGHT,
+            "supervise",
+            "--",
+            PY3,
+            str(stage / "probe.py"),
+            str(redis_server.port),
+            str(out),
+        ],
+        env=env,
+        cwd=stage,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (final_doc(proc.stdout)["status"], final_doc(proc.stdout)["note"]) == (
-        "done", "worker-complete")  # fmt: skip
-    check_probe(json.loads(out.read_text()), step_user, [redis_server.password, key],
-                redis_server.port)  # fmt: skip
+        "done",
+        "worker-complete",
+    )
+    check_probe(
+        json.loads(out.read_text()), step_user, [redis_server.password, key], redis_server.port
+    )
 
 
 @ROOT_ONLY
 @pytest.mark.timeout(180)
 def test_a_hostile_task_agent_leaves_the_task_envelope_and_receipts_truthful(
-    env: dict[str, str], stage: Path, step_user: StepUser, redis_server: EmbeddedRedis,
-    r: redis.Redis, namespace: str,
-) -> None:  # fmt: skip
+    env: dict[str, str],
+    stage: Path,
+    step_user: StepUser,
+    redis_server: EmbeddedRedis,
+    r: redis.Redis,
+    namespace: str,
+) -> None:
     assert redis_server.password
     key = f"sk-{uuid.uuid4().hex}"
-    tenv = {**env, "OVERNIGHT_STEP_USER": step_user.name, "OVERNIGHT_MODEL_API_KEY": key,
-            "OVERNIGHT_QUEUE": namespace, "OVERNIGHT_GRACE": "0.5"}  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_STEP_USER": step_user.name,
+        "OVERNIGHT_MODEL_API_KEY": key,
+        "OVERNIGHT_QUEUE": namespace,
+        "OVERNIGHT_GRACE": "0.5",
+    }
     out = stage / "report.json"
     uid = str(step_user.uid)
     # The agent runs as the step user; its rules (issue 12) as overnight's own user.
     rules = [["test", "-f", "ok.txt"], ["sh", "-c", f'test "$(id -u)" != {uid}']]
-    hostile = task_file(stage, "hostile", [PY3, str(stage / "probe.py"),
-                        str(redis_server.port), str(out)], rules)  # fmt: skip
+    hostile = task_file(
+        stage, "hostile", [PY3, str(stage / "probe.py"), str(redis_server.port), str(out)], rules
+    )
     benign = task_file(stage, "benign", ["sh", "-c", "echo ok > ok.txt"], rules)
     for folder in (stage / "hostile", stage / "benign"):
         os.chown(folder, step_user.uid, step_user.gid)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([OVERNIGHT, *args], env=tenv, capture_output=True, text=True,
-                              timeout=150)  # fmt: skip
+        return subprocess.run(
+            [OVERNIGHT, *args], env=tenv, capture_output=True, text=True, timeout=150
+        )
 
     assert cli("envelope", "reset", "10").returncode == 0
     assert cli("submit", str(hostile), str(benign)).returncode == 0
@@ -295,8 +334,9 @@ def test_a_hostile_task_agent_leaves_the_task_envelope_and_receipts_truthful(
         state = json.loads(cli("status", task).stdout)
         assert state["state"] == "finished_verified", json.dumps(state)[-1500:]
         assert state["calls_used"] == 3, state  # one agent step and two rules, one turn
-    check_probe(json.loads(out.read_text()), step_user, [redis_server.password, key],
-                redis_server.port)  # fmt: skip
+    check_probe(
+        json.loads(out.read_text()), step_user, [redis_server.password, key], redis_server.port
+    )
     # The envelope: exactly what the two tasks spent.
     envelope = json.loads(cli("envelope", "status").stdout)
     assert envelope["remaining"] == 4, envelope
@@ -308,8 +348,11 @@ def test_a_hostile_task_agent_leaves_the_task_envelope_and_receipts_truthful(
     assert info.st_uid == step_user.uid and stat.S_IMODE(info.st_mode) == 0o700
     assert stat.S_IMODE(os.stat(prompt.parent.parent).st_mode) == 0o711
     # Every lease of the hostile task ended as overnight saw it, by the supervisor.
-    ended = [rc for rc in read_receipts(r, Keys(namespace), task_id="hostile")
-             if rc.kind == "lease_ended"]  # fmt: skip
+    ended = [
+        rc
+        for rc in read_receipts(r, Keys(namespace), task_id="hostile")
+        if rc.kind == "lease_ended"
+    ]
     assert len(ended) == 3 and all(rc.data["status"] == "done" for rc in ended), ended
 
 
@@ -331,8 +374,13 @@ def test_the_step_user_can_use_git_in_its_task_worktree(
 ) -> None:
     """The task's worktree belongs to the step user but its repository to overnight: the
     agent's git commands still work there (safe.directory for that worktree only)."""
-    tenv = {**env, "OVERNIGHT_STEP_USER": step_user.name, "OVERNIGHT_QUEUE": namespace,
-            "OVERNIGHT_GRACE": "0.5", "OVERNIGHT_STATE_DIR": str(stage / "state")}  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_STEP_USER": step_user.name,
+        "OVERNIGHT_QUEUE": namespace,
+        "OVERNIGHT_GRACE": "0.5",
+        "OVERNIGHT_STATE_DIR": str(stage / "state"),
+    }
     agent = ["sh", "-c", "git log -1 --format=%s > seen.txt && git status --short >> seen.txt"]
     path = task_file(stage, "gitty", agent, [["sh", "check.sh"]])
     repo = stage / "gitty"
@@ -342,8 +390,9 @@ def test_the_step_user_can_use_git_in_its_task_worktree(
         subprocess.run([*git, *args], cwd=repo, check=True, timeout=30)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([OVERNIGHT, *args], env=tenv, capture_output=True, text=True,
-                              timeout=150)  # fmt: skip
+        return subprocess.run(
+            [OVERNIGHT, *args], env=tenv, capture_output=True, text=True, timeout=150
+        )
 
     assert cli("envelope", "reset", "10").returncode == 0
     submitted = cli("submit", str(path))

@@ -73,8 +73,12 @@ def test_empty_refuses_and_leaves_remaining_unchanged(ev: CallEnvelope) -> None:
     refused = [rc for rc in read(ev.client, ev.keys) if rc.kind == "envelope_refused"]
     assert len(refused) == 1
     assert refused[0].data == {
-        "envelope": "default", "kind": "model", "units": 1, "reason": "empty", "remaining": 0,
-    }  # fmt: skip
+        "envelope": "default",
+        "kind": "model",
+        "units": 1,
+        "reason": "empty",
+        "remaining": 0,
+    }
 
 
 def test_reset_sets_remaining_and_zeroes_counters(ev: CallEnvelope) -> None:
@@ -83,9 +87,16 @@ def test_reset_sets_remaining_and_zeroes_counters(ev: CallEnvelope) -> None:
     ev.try_consume("tool")
     state = ev.reset(7)
     assert state.model_dump() == {
-        "remaining": 7, "consumed_model": 0, "consumed_tool": 0, "reserved_model": 0,
-        "reserved_tool": 0, "max_model": None, "max_tool": None, "budget": 7, "exists": True,
-    }  # fmt: skip
+        "remaining": 7,
+        "consumed_model": 0,
+        "consumed_tool": 0,
+        "reserved_model": 0,
+        "reserved_tool": 0,
+        "max_model": None,
+        "max_tool": None,
+        "budget": 7,
+        "exists": True,
+    }
     resets = [rc for rc in read(ev.client, ev.keys) if rc.kind == "envelope_reset"]
     assert [rc.data["budget"] for rc in resets] == [5, 7]
     assert resets[1].data["previous_remaining"] == 3
@@ -281,9 +292,13 @@ def test_an_expired_reservation_is_refunded_by_the_next_script(ev: CallEnvelope)
         ev.commit(rsv, 7)
     assert ev.snapshot().remaining == 10
     rsv2 = ev.reserve("tool", 10, ttl=0.05)
-    wait_for(lambda: ev.client.zscore(ev.keys.envelope_reservations("default"), rsv2.member)
-             and ev.client.time()[0] * 1000 + ev.client.time()[1] // 1000 > rsv2.expires_ms,
-             timeout=5)  # fmt: skip
+    wait_for(
+        lambda: (
+            ev.client.zscore(ev.keys.envelope_reservations("default"), rsv2.member)
+            and ev.client.time()[0] * 1000 + ev.client.time()[1] // 1000 > rsv2.expires_ms
+        ),
+        timeout=5,
+    )
     assert ev.try_consume("tool", units=10).remaining == 0
 
 
@@ -389,8 +404,10 @@ def test_agent_loop_halts_at_the_first_refusal(
 ) -> None:
     ev.reset(3)
     ran: list[int] = []
-    steps = [Step(s.kind, lambda i=i, s=s: (ran.append(i), s.call())[1])
-             for i, s in enumerate(demo_steps())]  # fmt: skip
+    steps = [
+        Step(s.kind, lambda i=i, s=s: (ran.append(i), s.call())[1])
+        for i, s in enumerate(demo_steps())
+    ]
     with caplog.at_level(logging.INFO, logger="overnight.envelope"):
         result = run_agent_loop(ev, steps)
     assert ran == [0, 1, 2]

@@ -80,8 +80,10 @@ def test_never_reset_refuses(env: dict[str, str]) -> None:
 def test_reset_status_consume_and_dry_run(env: dict[str, str]) -> None:
     state = json.loads(overnight(env, "reset", "2", "--name", "cli").stdout)
     assert {k: state[k] for k in ("remaining", "consumed_model", "consumed_tool")} == {
-        "remaining": 2, "consumed_model": 0, "consumed_tool": 0,
-    }  # fmt: skip
+        "remaining": 2,
+        "consumed_model": 0,
+        "consumed_tool": 0,
+    }
     dry = overnight(env, "consume", "tool", "--dry-run", "--name", "cli")
     assert dry.returncode == 0 and json.loads(dry.stdout)["remaining"] == 2
     for _ in range(2):
@@ -96,8 +98,15 @@ def test_reset_status_consume_and_dry_run(env: dict[str, str]) -> None:
 
 
 def test_usage_errors_exit_64(env: dict[str, str]) -> None:
-    for args in (["reset", "-1"], ["reset", "--", "-1"], ["reset", "x"], ["consume", "image"],
-                 ["consume"], ["status", "--name", "a b"], ["reset"]):  # fmt: skip
+    for args in (
+        ["reset", "-1"],
+        ["reset", "--", "-1"],
+        ["reset", "x"],
+        ["consume", "image"],
+        ["consume"],
+        ["status", "--name", "a b"],
+        ["reset"],
+    ):
         res = overnight(env, *args)
         assert res.returncode == 64, (args, res.stdout, res.stderr)
         assert res.stdout == ""
@@ -180,8 +189,9 @@ def test_killed_and_restarted_workers_stay_exact(
     _assert_exact(r, namespace, answers)
     for tag, i in stalls.items():
         # The consume made just before the kill was answered again, not charged again.
-        assert r.exists(CallEnvelope(r, "shared", namespace).keys.envelope_request(
-            "shared", f"{tag}-{i}"))  # fmt: skip
+        assert r.exists(
+            CallEnvelope(r, "shared", namespace).keys.envelope_request("shared", f"{tag}-{i}")
+        )
 
 
 @pytest.mark.slow

@@ -89,8 +89,11 @@ def test_submit_warns_and_the_task_halts_naming_the_missing_envelope(
     (tmp_path / "t.toml").write_text(TASK.format(id="lonely", envelope="nightly"))
     sub = subprocess.run(
         [OVERNIGHT, "submit", str(tmp_path / "t.toml")],
-        env=env, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert sub.returncode == 0 and sub.stdout.split() == ["lonely"], sub.stderr
     assert "warning: envelope 'nightly' does not exist" in sub.stderr
     work = subprocess.run(
@@ -111,6 +114,9 @@ def test_submit_says_nothing_when_the_envelope_exists(env: dict[str, str], tmp_p
     (tmp_path / "t.toml").write_text(TASK.format(id="fed", envelope="nightly"))
     sub = subprocess.run(
         [OVERNIGHT, "submit", str(tmp_path / "t.toml")],
-        env=env, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert sub.returncode == 0 and "warning" not in sub.stderr

@@ -85,8 +85,11 @@ def test_aof_restart_keeps_a_running_lease_and_its_token(
     final = final_doc(out)
     assert (final["status"], final["token"]) == ("done", before["token"])
     assert beat_ok.exists(), err
-    ends = [r for r in lease_receipts(client, namespace, before["lease_id"])
-            if r["kind"] in ("lease_ended", "subprocess_lease_expired")]  # fmt: skip
+    ends = [
+        r
+        for r in lease_receipts(client, namespace, before["lease_id"])
+        if r["kind"] in ("lease_ended", "subprocess_lease_expired")
+    ]
     assert len(ends) == 1 and ends[0]["data"]["token"] == before["token"]
 
 
@@ -146,10 +149,19 @@ def test_worker_reconnects_by_itself_after_a_restart(
     from tests.helpers import task_file
 
     server = redis_factory(appendonly=True)
-    tenv = {**env, "OVERNIGHT_REDIS_URL": server.url, "OVERNIGHT_QUEUE": namespace,
-            "OVERNIGHT_RECOVERY_INTERVAL": "0.5", "OVERNIGHT_TASK_CLAIM_TTL": "2"}  # fmt: skip
-    assert subprocess.run([OVERNIGHT, "envelope", "reset", "10"], env=tenv,
-                          capture_output=True, timeout=30).returncode == 0  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_REDIS_URL": server.url,
+        "OVERNIGHT_QUEUE": namespace,
+        "OVERNIGHT_RECOVERY_INTERVAL": "0.5",
+        "OVERNIGHT_TASK_CLAIM_TTL": "2",
+    }
+    assert (
+        subprocess.run(
+            [OVERNIGHT, "envelope", "reset", "10"], env=tenv, capture_output=True, timeout=30
+        ).returncode
+        == 0
+    )
     log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen([OVERNIGHT, "worker"], env=tenv, stdout=log, stderr=log)
     try:
@@ -161,8 +173,9 @@ def test_worker_reconnects_by_itself_after_a_restart(
         restart(server)
         time.sleep(1.0)  # the worker meets the restart while blocked on its queue
         path = task_file(tmp_path, "after", ["touch", "ok.txt"], [["test", "-f", "ok.txt"]])
-        sub = subprocess.run([OVERNIGHT, "submit", str(path)], env=tenv, capture_output=True,
-                             text=True, timeout=30)  # fmt: skip
+        sub = subprocess.run(
+            [OVERNIGHT, "submit", str(path)], env=tenv, capture_output=True, text=True, timeout=30
+        )
         assert sub.returncode == 0, sub.stderr
 
         def state() -> str | None:
@@ -200,11 +213,17 @@ def test_data_loss_refuses_beats_and_consumes_and_never_repeats_a_token(
     for i in range(3000):
         lid = f"burst-{i}"
         leases._acquire(
-            keys=[k.lease(lid), k.lease_alive(lid), k.lease_seq, k.lease_expiry, k.leases,
-                  k.receipts],
+            keys=[
+                k.lease(lid),
+                k.lease_alive(lid),
+                k.lease_seq,
+                k.lease_expiry,
+                k.leases,
+                k.receipts,
+            ],
             args=[lid, "h", 0, "60", "30", "burst", "", "", 100_000, 3600],
             client=pipe,
-        )  # fmt: skip
+        )
     issued = [int(res[1]) for res in pipe.execute()] + [held.token]
     restart(server)
     client = client_of(server)
@@ -263,23 +282,47 @@ def test_a_shifted_wall_clock_kills_neither_early_nor_late(
     keys = Keys(namespace)
     # A chatty child that ends by itself after 1.5 s, well inside its deadline: not killed early.
     t0 = time.monotonic()
-    ok = run_supervised(r, keys, StepSpec(
-        argv=[PY, "-c", "import time\nfor _ in range(15): print('x', flush=True); time.sleep(0.1)"],
-        gap=1.0, deadline=4.0, grace=0.5), on_output=lambda _line: None)  # fmt: skip
+    ok = run_supervised(
+        r,
+        keys,
+        StepSpec(
+            argv=[
+                PY,
+                "-c",
+                "import time\nfor _ in range(15): print('x', flush=True); time.sleep(0.1)",
+            ],
+            gap=1.0,
+            deadline=4.0,
+            grace=0.5,
+        ),
+        on_output=lambda _line: None,
+    )
     took = time.monotonic() - t0
     assert (ok.exit_code, ok.doc.status) == (0, "done") and took > 1.4
     assert abs(ok.doc.started_unix - real()) < 30  # the document holds server time
     # A silent child: killed by its 1 s gap, not a day early or late.
     t0 = time.monotonic()
-    gap = run_supervised(r, keys, StepSpec(argv=["sleep", "30"], gap=1.0, deadline=20.0,
-                                           grace=0.2), on_output=lambda _line: None)  # fmt: skip
+    gap = run_supervised(
+        r,
+        keys,
+        StepSpec(argv=["sleep", "30"], gap=1.0, deadline=20.0, grace=0.2),
+        on_output=lambda _line: None,
+    )
     took = time.monotonic() - t0
     assert gap.exit_code == 3 and gap.doc.status == "killed" and took > 0.9
     assert gap.doc.note.startswith("heartbeat-gap-")  # the gap, not the 20 s deadline
     # A chatty child past its 1.5 s deadline: expired on time.
     t0 = time.monotonic()
-    late = run_supervised(r, keys, StepSpec(
-        argv=[PY, "-c", "import time\nwhile True: print('x', flush=True); time.sleep(0.1)"],
-        gap=1.0, deadline=1.5, grace=0.2), on_output=lambda _line: None)  # fmt: skip
+    late = run_supervised(
+        r,
+        keys,
+        StepSpec(
+            argv=[PY, "-c", "import time\nwhile True: print('x', flush=True); time.sleep(0.1)"],
+            gap=1.0,
+            deadline=1.5,
+            grace=0.2,
+        ),
+        on_output=lambda _line: None,
+    )
     took = time.monotonic() - t0
     assert late.exit_code == 2 and late.doc.note == "budget-exceeded" and took > 1.4

@@ -54,8 +54,9 @@ class Gw:
         """A running lease and a token for it: (lease id, token)."""
         leases = Leases(self.r, self.keys)
         doc = leases.acquire(budget_sec=120, gap_sec=30, task_id=kw.get("task_id"))
-        token, _env = mint(self.r, self.keys, doc.lease_id, doc.token,
-                           Grant(self.url, **kw), ttl=120, gap=30)  # fmt: skip
+        token, _env = mint(
+            self.r, self.keys, doc.lease_id, doc.token, Grant(self.url, **kw), ttl=120, gap=30
+        )
         return doc.lease_id, token
 
     def envelope(self, name: str = "default") -> CallEnvelope:
@@ -96,9 +97,14 @@ def start_gateway(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[byte
 def gw(
     env: dict[str, str], upstream: str, r: redis.Redis, namespace: str, tmp_path: Path
 ) -> Iterator[Gw]:
-    env = {**env, "OVERNIGHT_MODEL_URL": f"{upstream}/v1", "OVERNIGHT_MODEL_API_KEY": "sk-real",
-           "OVERNIGHT_ANTHROPIC_URL": upstream, "OVERNIGHT_ANTHROPIC_API_KEY": "ak-real",
-           "OVERNIGHT_MODEL_TIMEOUT": "3"}  # fmt: skip
+    env = {
+        **env,
+        "OVERNIGHT_MODEL_URL": f"{upstream}/v1",
+        "OVERNIGHT_MODEL_API_KEY": "sk-real",
+        "OVERNIGHT_ANTHROPIC_URL": upstream,
+        "OVERNIGHT_ANTHROPIC_API_KEY": "ak-real",
+        "OVERNIGHT_MODEL_TIMEOUT": "3",
+    }
     proc, url = start_gateway(env, tmp_path / "gateway.log")
     gw = Gw(url, r, Keys(namespace), namespace)
     yield gw
@@ -147,16 +153,21 @@ def test_chat_json_and_stream(gw: Gw, upstream: str) -> None:
     asked = [s for s in _seen(upstream) if s["path"] == "/v1/chat/completions"][-1]
     assert asked["body"]["stream_options"] == {"include_usage": True}
     assert asked["headers"]["Authorization"] == "Bearer sk-real"
-    with_usage = list(client.chat.completions.create(
-        model="m", messages=msgs, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    with_usage = list(
+        client.chat.completions.create(
+            model="m", messages=msgs, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert [c.usage.total_tokens for c in with_usage if c.usage] == [UP_TOKENS]
     state = gw.envelope().snapshot()
     assert (state.consumed_model, state.remaining) == (3, 7)
     assert (state.consumed_tokens, state.reserved_tokens) == (3 * UP_TOKENS, 0)
     rows = gw.calls()
     assert [(c["route"], c["stream"], c["tokens"], c["estimated"]) for c in rows] == [
-        ("chat", False, UP_TOKENS, False), ("chat", True, UP_TOKENS, False),
-        ("chat", True, UP_TOKENS, False)]  # fmt: skip
+        ("chat", False, UP_TOKENS, False),
+        ("chat", True, UP_TOKENS, False),
+        ("chat", True, UP_TOKENS, False),
+    ]
 
 
 def test_responses_json_and_stream_with_tool_calls(gw: Gw) -> None:
@@ -182,8 +193,9 @@ def test_anthropic_json_and_stream_forward_headers(gw: Gw, upstream: str) -> Non
     _, token = gw.grant()
     client = gw.anthropic(token)
     msgs: Any = [{"role": "user", "content": "hello"}]
-    reply = client.messages.create(model="m-tool", max_tokens=20000, messages=msgs,
-                                   extra_headers={"anthropic-beta": "x-test"})  # fmt: skip
+    reply = client.messages.create(
+        model="m-tool", max_tokens=20000, messages=msgs, extra_headers={"anthropic-beta": "x-test"}
+    )
     assert reply.usage.output_tokens == 7
     with client.messages.stream(model="m", max_tokens=100, messages=msgs) as stream:
         text = "".join(stream.text_stream)
@@ -205,13 +217,13 @@ def test_anthropic_json_and_stream_forward_headers(gw: Gw, upstream: str) -> Non
 def test_query_string_count_tokens_models_and_head(gw: Gw, upstream: str) -> None:
     gw.envelope().reset(10)
     _, token = gw.grant()
-    body = json.dumps({"model": "m", "max_tokens": 5,
-                       "messages": [{"role": "user", "content": "x"}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    ).encode()
     status, reply = _raw(f"{gw.url}/v1/messages?beta=true", body=body, **{"x-api-key": token})
     assert status == 200 and reply["usage"]["input_tokens"] == 11
     assert _seen(upstream)[-1]["query"] == "beta=true"
-    status, counted = _raw(f"{gw.url}/v1/messages/count_tokens", body=body,
-                           **{"x-api-key": token})  # fmt: skip
+    status, counted = _raw(f"{gw.url}/v1/messages/count_tokens", body=body, **{"x-api-key": token})
     assert (status, counted) == (200, {"input_tokens": 11})
     models = gw.openai(token).models.list()
     assert [m.id for m in models] == ["m"]
@@ -319,8 +331,9 @@ def test_bad_input_and_upstream_faults(gw: Gw) -> None:
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
     status, body = _raw(f"{gw.url}/v1/messages/nothing", body=b"{}", **auth)
     assert status == 404 and body["type"] == "error"
-    status, _ = _raw(f"{gw.url}/v1/responses", method="GET", Upgrade="websocket",
-                     Connection="Upgrade", **auth)  # fmt: skip
+    status, _ = _raw(
+        f"{gw.url}/v1/responses", method="GET", Upgrade="websocket", Connection="Upgrade", **auth
+    )
     assert status == 426
     msgs: Any = [{"role": "user", "content": "x"}]
     with pytest.raises(openai.InternalServerError):
@@ -345,13 +358,15 @@ def test_upstream_down_is_a_502_and_refunded(
         gw.envelope().reset(5)
         _, token = gw.grant()
         with pytest.raises(openai.APIStatusError) as down:
-            gw.openai(token).chat.completions.create(model="m", messages=[
-                {"role": "user", "content": "x"}])  # fmt: skip
+            gw.openai(token).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}]
+            )
         assert down.value.status_code == 502
         assert gw.envelope().snapshot().remaining == 5
         with pytest.raises(anthropic.APIStatusError) as unset:
-            gw.anthropic(token).messages.create(model="m", max_tokens=5, messages=[
-                {"role": "user", "content": "x"}])  # fmt: skip
+            gw.anthropic(token).messages.create(
+                model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]
+            )
         assert unset.value.status_code == 502 and "OVERNIGHT_ANTHROPIC_URL" in str(unset.value)
         gw.close()
     finally:
@@ -363,7 +378,8 @@ def test_client_disconnect_commits_real_usage(gw: Gw) -> None:
     gw.envelope().reset(10)
     _, token = gw.grant()
     stream = gw.openai(token).chat.completions.create(
-        model="m-long", messages=[{"role": "user", "content": "x"}], stream=True)  # fmt: skip
+        model="m-long", messages=[{"role": "user", "content": "x"}], stream=True
+    )
     next(iter(stream))
     stream.close()
     (row,) = wait_for(lambda: gw.calls(), timeout=20)
@@ -378,8 +394,11 @@ def test_a_stream_holds_more_in_chunks_and_is_cut_when_refused(gw: Gw) -> None:
     # 50,000 characters are about 16,700 tokens by the running estimate: two more chunks.
     gw.envelope().reset(10, max_tokens=100_000)
     _, token = gw.grant()
-    text = "".join(c.choices[0].delta.content or "" for c in gw.openai(token).chat.completions
-                   .create(model="m-big", messages=msgs, stream=True) if c.choices)  # fmt: skip
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in gw.openai(token).chat.completions.create(model="m-big", messages=msgs, stream=True)
+        if c.choices
+    )
     assert len(text) == 50_000
     (row,) = gw.calls()
     assert row["hold"] > 2 * 8192 and row["tokens"] == UP_TOKENS and not row["cut"]
@@ -390,8 +409,9 @@ def test_a_stream_holds_more_in_chunks_and_is_cut_when_refused(gw: Gw) -> None:
     gw.envelope().reset(10, max_tokens=10_000)
     _, token = gw.grant()
     with pytest.raises(openai.APIError, match="token cap reached mid-stream"):
-        for _ in gw.openai(token).chat.completions.create(model="m-big", messages=msgs,
-                                                          stream=True):  # fmt: skip
+        for _ in gw.openai(token).chat.completions.create(
+            model="m-big", messages=msgs, stream=True
+        ):
             pass
     row = gw.calls()[-1]
     assert row["cut"] and row["tokens"] in (UP_TOKENS, row["hold"])

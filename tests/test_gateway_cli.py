@@ -10,13 +10,17 @@ from tests.helpers import OVERNIGHT
 
 
 def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
-                          timeout=30, check=False)  # fmt: skip
+    return subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
 
 
 def test_config_masks_the_anthropic_key(env: dict[str, str]) -> None:
-    env = {**env, "OVERNIGHT_ANTHROPIC_URL": "https://anthropic.example",
-           "OVERNIGHT_ANTHROPIC_API_KEY": "ak-sentinel-123"}  # fmt: skip
+    env = {
+        **env,
+        "OVERNIGHT_ANTHROPIC_URL": "https://anthropic.example",
+        "OVERNIGHT_ANTHROPIC_API_KEY": "ak-sentinel-123",
+    }
     shown = _run(env, "config")
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)

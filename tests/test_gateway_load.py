@@ -61,8 +61,13 @@ def _clients(r: redis.Redis, namespace: str, url: str, count: int, mode: str) ->
     for _ in range(PROCS):
         doc = leases.acquire(budget_sec=300, gap_sec=60)
         token, _ = mint(r, keys, doc.lease_id, doc.token, Grant(url), ttl=300, gap=60)
-        procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, url, token, str(count), mode],
-                                      stdout=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", CLIENT, url, token, str(count), mode],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     total: dict[int, int] = {}
     for proc in procs:
         out, _ = proc.communicate(timeout=120)

@@ -115,16 +115,22 @@ def test_worker_restarts_a_killed_gateway_and_the_next_step_is_metered(
     port = int(wenv["OVERNIGHT_GATEWAY_PORT"])
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
-        worker = subprocess.Popen([OVERNIGHT, "worker"], env=wenv, stdin=subprocess.DEVNULL,
-                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        worker = subprocess.Popen(
+            [OVERNIGHT, "worker"],
+            env=wenv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         (first,) = wait_for(lambda: _gateway_children(worker.pid), timeout=60, interval=0.1)
         wait_for(lambda: _answers(port), timeout=60, interval=0.1)
         os.kill(first, signal.SIGKILL)
         (second,) = wait_for(
-            lambda: [p for p in _gateway_children(worker.pid) if p != first], timeout=60,
+            lambda: [p for p in _gateway_children(worker.pid) if p != first],
+            timeout=60,
             interval=0.1,
-        )  # fmt: skip
+        )
         wait_for(lambda: _answers(port), timeout=60, interval=0.1)
         said = log_path.read_text()
         assert f"exited (code -{signal.SIGKILL}); restarted as pid {second}" in said, said
@@ -132,8 +138,7 @@ def test_worker_restarts_a_killed_gateway_and_the_next_step_is_metered(
         CallEnvelope(r, "default", namespace).reset(10)
         (tmp_path / "agent.py").write_text(AGENT)
         agent = [sys.executable, str(tmp_path / "agent.py")]
-        path = task_file(tmp_path, "after", agent, [["test", "-f", "ok.txt"]],
-                         workspace="in-place")  # fmt: skip
+        path = task_file(tmp_path, "after", agent, [["test", "-f", "ok.txt"]], workspace="in-place")
         submitted = cli(wenv, "submit", "--wait", str(path))
         assert submitted.returncode == 0, submitted.stderr + log_path.read_text()[-3000:]
         status = json.loads(cli(wenv, "status", "after", timeout=60).stdout)

@@ -99,8 +99,9 @@ def test_the_token_dies_with_its_lease(
     token = saved.read_text()
     assert token.startswith("ovn-")
     # Anything still holding the ended step's token gets the format's 401.
-    req = urllib.request.Request(f"{gateway}/v1/chat/completions", data=b"{}",
-                                 headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{gateway}/v1/chat/completions", data=b"{}", headers={"Authorization": f"Bearer {token}"}
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(req, timeout=10)
     assert refused.value.code == 401

@@ -51,11 +51,11 @@ def tenv(env: dict[str, str], upstream: str, tmp_path: Path) -> dict[str, str]:
     return worker_env(env, OVERNIGHT_MODEL_URL=upstream)
 
 
-def _run_task(tenv: dict[str, str], tmp_path: Path, name: str, agent_args: list[str],
-              **kw: Any) -> dict[str, Any]:  # fmt: skip
+def _run_task(
+    tenv: dict[str, str], tmp_path: Path, name: str, agent_args: list[str], **kw: Any
+) -> dict[str, Any]:
     agent = [sys.executable, str(tmp_path / "agent.py"), *agent_args]
-    path = task_file(tmp_path, name, agent, [["test", "-f", "ok.txt"]],
-                     workspace="in-place", **kw)  # fmt: skip
+    path = task_file(tmp_path, name, agent, [["test", "-f", "ok.txt"]], workspace="in-place", **kw)
     return run_burst(tenv, path, name)
 
 

@@ -36,12 +36,22 @@ def test_up_runs_the_gateway_and_the_model_step_goes_through_it(
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "task.toml").write_text(TASK)
-    env = {**env, "OVERNIGHT_MODEL_URL": f"{upstream}/v1", "OVERNIGHT_MODEL_API_KEY": "sk-real",
-           "OVERNIGHT_MODEL_NAME": "m", "OVERNIGHT_GATEWAY_PORT": str(free_port())}  # fmt: skip
+    env = {
+        **env,
+        "OVERNIGHT_MODEL_URL": f"{upstream}/v1",
+        "OVERNIGHT_MODEL_API_KEY": "sk-real",
+        "OVERNIGHT_MODEL_NAME": "m",
+        "OVERNIGHT_GATEWAY_PORT": str(free_port()),
+    }
     args = ["up", "--tasks", str(tasks), "--budget", "10", "--exit-when-done", "--workers", "1"]
-    proc = subprocess.run([OVERNIGHT, *args, "--state-dir", str(tmp_path / "state")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=110)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, *args, "--state-dir", str(tmp_path / "state")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "finished_verified" in next(
         ln for ln in proc.stdout.splitlines() if ln.startswith("asks-model ")

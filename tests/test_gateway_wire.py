@@ -13,19 +13,47 @@ from overnight.worker.gateway.server import upstream_base, wire
 @pytest.mark.parametrize(
     ("route", "body", "want"),
     [
-        ("chat", {"usage": {"prompt_tokens": 10, "completion_tokens": 4,
-                            "prompt_tokens_details": {"cached_tokens": 6}},
-                  "choices": [{"message": {"tool_calls": [{}, {}]}}]}, (4, 4, 6, 0, 2, True)),
+        (
+            "chat",
+            {
+                "usage": {
+                    "prompt_tokens": 10,
+                    "completion_tokens": 4,
+                    "prompt_tokens_details": {"cached_tokens": 6},
+                },
+                "choices": [{"message": {"tool_calls": [{}, {}]}}],
+            },
+            (4, 4, 6, 0, 2, True),
+        ),
         ("chat", {"choices": [{"message": {"content": "x"}}]}, (0, 0, 0, 0, 0, False)),
-        ("responses", {"usage": {"input_tokens": 9, "output_tokens": 3},
-                       "output": [{"type": "message"}, {"type": "function_call"},
-                                  {"type": "custom_tool_call"}]}, (9, 3, 0, 0, 2, True)),
-        ("messages", {"usage": {"input_tokens": 5, "output_tokens": 2,
-                                "cache_read_input_tokens": 7, "cache_creation_input_tokens": 1},
-                      "content": [{"type": "text"}, {"type": "tool_use"}]}, (5, 2, 7, 1, 1, True)),
+        (
+            "responses",
+            {
+                "usage": {"input_tokens": 9, "output_tokens": 3},
+                "output": [
+                    {"type": "message"},
+                    {"type": "function_call"},
+                    {"type": "custom_tool_call"},
+                ],
+            },
+            (9, 3, 0, 0, 2, True),
+        ),
+        (
+            "messages",
+            {
+                "usage": {
+                    "input_tokens": 5,
+                    "output_tokens": 2,
+                    "cache_read_input_tokens": 7,
+                    "cache_creation_input_tokens": 1,
+                },
+                "content": [{"type": "text"}, {"type": "tool_use"}],
+            },
+            (5, 2, 7, 1, 1, True),
+        ),
         ("messages", ["not", "an", "object"], (0, 0, 0, 0, 0, False)),
     ],
-)  # fmt: skip
+)
 def test_usage_of_a_whole_body(route: wire.Route, body: Any, want: tuple[Any, ...]) -> None:
     u = wire.usage_of_body(route, body)
     assert (u.input, u.output, u.cache_read, u.cache_write, u.tools, u.found) == want
@@ -39,27 +67,44 @@ def _events(route: wire.Route, events: list[Any]) -> wire.Usage:
 
 
 def test_usage_of_streams() -> None:
-    chat = _events("chat", [
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "a"}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "b"}]}}]},
-        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
-    ])  # fmt: skip
+    chat = _events(
+        "chat",
+        [
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "a"}]}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "b"}]}}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+        ],
+    )
     assert (chat.input, chat.output, chat.tools, chat.found) == (3, 2, 2, True)
-    responses = _events("responses", [
-        {"type": "response.created", "response": {}},
-        {"type": "response.incomplete", "response": {"usage": {"input_tokens": 4,
-                                                               "output_tokens": 1},
-                                                     "output": [{"type": "function_call"}]}},
-    ])  # fmt: skip
+    responses = _events(
+        "responses",
+        [
+            {"type": "response.created", "response": {}},
+            {
+                "type": "response.incomplete",
+                "response": {
+                    "usage": {"input_tokens": 4, "output_tokens": 1},
+                    "output": [{"type": "function_call"}],
+                },
+            },
+        ],
+    )
     assert (responses.input, responses.output, responses.tools) == (4, 1, 1)
-    messages = _events("messages", [
-        {"type": "message_start", "message": {"usage": {"input_tokens": 8, "output_tokens": 1,
-                                                        "cache_read_input_tokens": 2}}},
-        {"type": "content_block_start", "content_block": {"type": "tool_use"}},
-        {"type": "message_delta", "usage": {"output_tokens": 5}},
-        {"type": "message_delta", "usage": {"output_tokens": 9}},  # cumulative: the last wins
-    ])  # fmt: skip
+    messages = _events(
+        "messages",
+        [
+            {
+                "type": "message_start",
+                "message": {
+                    "usage": {"input_tokens": 8, "output_tokens": 1, "cache_read_input_tokens": 2}
+                },
+            },
+            {"type": "content_block_start", "content_block": {"type": "tool_use"}},
+            {"type": "message_delta", "usage": {"output_tokens": 5}},
+            {"type": "message_delta", "usage": {"output_tokens": 9}},  # cumulative: the last wins
+        ],
+    )
     assert (messages.input, messages.output, messages.cache_read, messages.tools) == (8, 9, 2, 1)
     assert messages.tokens == 8 + 9 + 2
 
@@ -79,12 +124,20 @@ def test_split_events_keeps_a_partial_event() -> None:
     ("route", "body", "want"),
     [
         ("chat", {"model": "m", "stream": True, "max_tokens": 5}, ("m", True, 5, False)),
-        ("chat", {"model": "m", "max_completion_tokens": 7, "max_tokens": 5,
-                  "stream_options": {"include_usage": True}}, ("m", False, 7, True)),
+        (
+            "chat",
+            {
+                "model": "m",
+                "max_completion_tokens": 7,
+                "max_tokens": 5,
+                "stream_options": {"include_usage": True},
+            },
+            ("m", False, 7, True),
+        ),
         ("responses", {"model": "m", "max_output_tokens": 64000}, ("m", False, 64000, False)),
         ("messages", {"model": "m", "max_tokens": True}, ("m", False, None, False)),
     ],
-)  # fmt: skip
+)
 def test_read_ask(route: wire.Route, body: dict[str, Any], want: tuple[Any, ...]) -> None:
     ask = wire.read_ask(route, body)
     assert (ask.model, ask.stream, ask.max_output, ask.wants_usage) == want
@@ -132,9 +185,12 @@ def test_error_shapes() -> None:
 
 @pytest.mark.parametrize(
     ("url", "want"),
-    [("https://api.example.com/v1", "https://api.example.com"),
-     ("http://h:1/v1/chat/completions", "http://h:1"), ("http://h:1/", "http://h:1"),
-     (None, None)],
-)  # fmt: skip
+    [
+        ("https://api.example.com/v1", "https://api.example.com"),
+        ("http://h:1/v1/chat/completions", "http://h:1"),
+        ("http://h:1/", "http://h:1"),
+        (None, None),
+    ],
+)
 def test_upstream_base(url: str | None, want: str | None) -> None:
     assert upstream_base(url) == want

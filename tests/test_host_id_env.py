@@ -70,12 +70,24 @@ def _lease_host(cwd: Path, env: dict[str, str]) -> tuple[str, str]:
     its fresh interpreter's ``procs.hostname()`` gives there."""
     proc = subprocess.run(
         [OVERNIGHT, "supervise", "--deadline", "30", "--", "true"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     code = "from overnight.worker import procs; print(procs.hostname())"
-    here = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60, check=True)  # fmt: skip
+    here = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return str(final_doc(proc.stdout)["host"]), here.stdout.strip()
 
 
@@ -89,8 +101,15 @@ def test_supervise_and_config_take_the_host_id_from_dotenv(
     with_file.mkdir()
     (with_file / ".env").write_text("OVERNIGHT_HOST_ID=dotenv-host-1\n")
     assert _lease_host(with_file, env) == ("dotenv-host-1", "dotenv-host-1")
-    shown = subprocess.run([OVERNIGHT, "config"], cwd=with_file, env=env, capture_output=True,
-                           text=True, timeout=60, check=True)  # fmt: skip
+    shown = subprocess.run(
+        [OVERNIGHT, "config"],
+        cwd=with_file,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(shown.stdout)["host_id"] == "dotenv-host-1"
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -101,8 +101,10 @@ def test_one_budget_across_three_hosts(make_cluster: Any, tmp_path: Path) -> Non
     used = [status(c, t)["calls_used"] for t in ids]
     env = envelope(c)
     consumed = env["consumed_model"] + env["consumed_tool"]
-    print(f"\nhosts figure: 3 hosts x 2 workers, envelope 36: consumed {consumed}, "
-          f"tasks' calls_used {sum(used)} {used}, remaining {env['remaining']}")  # fmt: skip
+    print(
+        f"\nhosts figure: 3 hosts x 2 workers, envelope 36: consumed {consumed}, "
+        f"tasks' calls_used {sum(used)} {used}, remaining {env['remaining']}"
+    )
     assert (consumed, sum(used), env["remaining"]) == (36, 36, 0)
     hosts = {r.host for r in runs(trace)}
     assert len(hosts) >= 2, hosts  # the work was shared
@@ -132,8 +134,12 @@ def test_a_host_killed_whole_is_ended_host_lost_and_its_tasks_finish_elsewhere(
     keys = Keys(c.namespace)
 
     def ended() -> list[dict[str, str]] | None:
-        docs = [d for d in leases(c) if d["host"] == doomed.host_id
-                and (d["status"] == "running" or float(d["ended_unix"]) > killed_at)]  # fmt: skip
+        docs = [
+            d
+            for d in leases(c)
+            if d["host"] == doomed.host_id
+            and (d["status"] == "running" or float(d["ended_unix"]) > killed_at)
+        ]
         return docs if all(d["status"] != "running" for d in docs) else None
 
     docs = wait_for(ended, timeout=30, interval=0.1)
@@ -141,8 +147,10 @@ def test_a_host_killed_whole_is_ended_host_lost_and_its_tasks_finish_elsewhere(
     assert all((d["status"], d["note"]) == ("killed", "reaped: host-lost") for d in docs), docs
     assert not c.client.exists(keys.reaper_host(doomed.host_id))
     latency = max(float(d["ended_unix"]) for d in docs) - killed_at
-    print(f"\nhosts figure: a host killed whole: its leases ended host-lost {latency:.2f}s "
-          f"after the kill (host TTL {HOST_TTL}s)")  # fmt: skip
+    print(
+        f"\nhosts figure: a host killed whole: its leases ended host-lost {latency:.2f}s "
+        f"after the kill (host TTL {HOST_TTL}s)"
+    )
     assert latency <= 2 * HOST_TTL
     wait_for(lambda: all(s == "finished_verified" for s in states(c, ids).values()), timeout=40)
     all_runs = runs(trace)
@@ -179,8 +187,10 @@ def test_a_cut_off_host_fails_closed_and_never_runs_a_task_twice_at_once(
     assert not overlaps(all_runs), overlaps(all_runs)
     first = min(r.start for r in all_runs if r.host == other.host_id)
     last = max(r.end for r in cut_runs)
-    print(f"\nhosts figure: a cut-off host's step ended {last - cut_at:.2f}s after the cut; "
-          f"the task ran again elsewhere {first - last:.2f}s after that")  # fmt: skip
+    print(
+        f"\nhosts figure: a cut-off host's step ended {last - cut_at:.2f}s after the cut; "
+        f"the task ran again elsewhere {first - last:.2f}s after that"
+    )
     # The cut-off host comes back by itself: its reaper beats again and it takes new work.
     wait_for(lambda: c.reaper_up(cut), timeout=30)
     c.kill_host(other)
@@ -221,9 +231,11 @@ def test_one_budget_of_calls_and_tokens_through_each_hosts_gateway(
     keys = Keys(c.namespace)
     receipts = c.client.xrange(keys.receipts)
     calls = [f for _, f in receipts if '"model_call"' in json.dumps(f)]
-    print(f"\nhosts figure: 3 hosts' gateways, envelope 30: consumed {consumed} (model "
-          f"{env['consumed_model']}, tool {env['consumed_tool']}), tasks' calls_used "
-          f"{sum(used)}, tokens {env['consumed_tokens']} for {len(calls)} requests")  # fmt: skip
+    print(
+        f"\nhosts figure: 3 hosts' gateways, envelope 30: consumed {consumed} (model "
+        f"{env['consumed_model']}, tool {env['consumed_tool']}), tasks' calls_used "
+        f"{sum(used)}, tokens {env['consumed_tokens']} for {len(calls)} requests"
+    )
     assert (consumed, sum(used), env["remaining"]) == (30, 30, 0)
     assert env["consumed_tokens"] == len(calls) * (11 + 7)  # the scripted upstream's usage
     assert len({r.host for r in runs(trace)}) >= 2  # the work was shared

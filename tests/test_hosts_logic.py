@@ -54,9 +54,19 @@ def test_the_host_id_setting_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def lease(status: str, note: str, heartbeat: float = 100.0, gap: float = 6.0) -> LeaseDoc:
-    return LeaseDoc(lease_id="l1", token=1, budget_sec=600.0, started_unix=90.0,
-                    deadline_unix=690.0, heartbeat_unix=heartbeat, heartbeat_max_gap_sec=gap,
-                    status=status, note=note, host="h1", task_id="t")  # type: ignore[arg-type]  # fmt: skip
+    return LeaseDoc(
+        lease_id="l1",
+        token=1,
+        budget_sec=600.0,
+        started_unix=90.0,
+        deadline_unix=690.0,
+        heartbeat_unix=heartbeat,
+        heartbeat_max_gap_sec=gap,
+        status=status,
+        note=note,
+        host="h1",
+        task_id="t",
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -75,8 +85,11 @@ def test_alive_until(status: str, note: str, until: float | None) -> None:
 
 
 def test_rerun_waits_for_the_latest_lease() -> None:
-    docs = [lease("done", "worker-complete"), lease("running", "x", heartbeat=104.0),
-            lease("killed", "reaped: host-lost", heartbeat=101.0)]  # fmt: skip
+    docs = [
+        lease("done", "worker-complete"),
+        lease("running", "x", heartbeat=104.0),
+        lease("killed", "reaped: host-lost", heartbeat=101.0),
+    ]
     found = rerun.rerun_at(docs, 1.0)
     assert found is not None and found[0] == 111.0 and found[1] is docs[1]
     assert rerun.rerun_at(docs[:1], 1.0) is None
@@ -118,9 +131,17 @@ def test_a_cut_off_supervisor_ends_its_step_before_the_lapse(
 ) -> None:
     clock = [0.0]
     fake = CutLeases(clock, gap, cut, block)
-    keeper = Keeper(fake, lease("running", "boot"), gap=gap, deadline=600.0,  # type: ignore[arg-type]
-                    beat_while_alive=True, host="h", now=0.0, clock=lambda: clock[0],
-                    io_budget=3 * block)  # fmt: skip
+    keeper = Keeper(
+        fake,
+        lease("running", "boot"),
+        gap=gap,
+        deadline=600.0,  # type: ignore[arg-type]
+        beat_while_alive=True,
+        host="h",
+        now=0.0,
+        clock=lambda: clock[0],
+        io_budget=3 * block,
+    )
     while clock[0] < 10 * gap:
         clock[0] = max(clock[0] + 0.01, keeper.next_wake())  # a poll loop never stands still
         ended = keeper.tick(clock[0])

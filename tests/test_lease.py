@@ -144,16 +144,27 @@ def test_unknown_lease_is_refused(leases: Leases) -> None:
 
 def test_an_ended_lease_writes_exactly_one_receipt(real: Leases) -> None:
     doc = real.acquire(budget_sec=60, gap_sec=5, task_id="t1")
-    real.end(doc.lease_id, doc.token, "expired", "budget-exceeded", exit_code=2,
-               receipt_kind="subprocess_lease_expired")  # fmt: skip
+    real.end(
+        doc.lease_id,
+        doc.token,
+        "expired",
+        "budget-exceeded",
+        exit_code=2,
+        receipt_kind="subprocess_lease_expired",
+    )
     with pytest.raises(LeaseRefused):
         real.end(doc.lease_id, doc.token, "killed", "again")
     ended = [rc for rc in _receipts(real) if rc["kind"] != "lease_acquired"]
     assert len(ended) == 1
     assert ended[0]["kind"] == "subprocess_lease_expired"
     assert ended[0]["lease_id"] == doc.lease_id and ended[0]["task_id"] == "t1"
-    want = {"status": "expired", "note": "budget-exceeded", "exit_code": 2,
-            "writer": "supervisor", "token": doc.token}  # fmt: skip
+    want = {
+        "status": "expired",
+        "note": "budget-exceeded",
+        "exit_code": 2,
+        "writer": "supervisor",
+        "token": doc.token,
+    }
     assert ended[0]["data"] == want
 
 
@@ -211,9 +222,16 @@ def test_recent_lists_newest_first(leases: Leases) -> None:
 
 
 def _doc(**kw: object) -> LeaseDoc:
-    base: dict[str, object] = dict(lease_id="x", token=1, budget_sec=10, started_unix=100.0,
-                                   deadline_unix=110.0, heartbeat_unix=100.0,
-                                   heartbeat_max_gap_sec=2.0, status="running")  # fmt: skip
+    base: dict[str, object] = dict(
+        lease_id="x",
+        token=1,
+        budget_sec=10,
+        started_unix=100.0,
+        deadline_unix=110.0,
+        heartbeat_unix=100.0,
+        heartbeat_max_gap_sec=2.0,
+        status="running",
+    )
     base.update(kw)
     return LeaseDoc(**base)  # type: ignore[arg-type]
 
@@ -240,8 +258,12 @@ def test_from_hash_parses_and_rejects_corrupt_records() -> None:
     raw.update(exit_code="", ended_unix="", task_id="", child_start_ticks="")
     doc = LeaseDoc.from_hash(raw)
     assert doc.exit_code is None and doc.task_id is None and doc.token == 1
-    for broken in ({"token": "abc"}, {"status": "zombie"}, {"deadline_unix": ""},
-                   {"heartbeat_unix": "nan"}):  # fmt: skip
+    for broken in (
+        {"token": "abc"},
+        {"status": "zombie"},
+        {"deadline_unix": ""},
+        {"heartbeat_unix": "nan"},
+    ):
         with pytest.raises(LeaseCorrupt):
             LeaseDoc.from_hash({**raw, **broken})
     missing = dict(raw)

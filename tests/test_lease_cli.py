@@ -24,8 +24,7 @@ from tests.helpers import OVERNIGHT
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
-                          timeout=30)  # fmt: skip
+    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture
@@ -42,9 +41,11 @@ def test_beat_renews_and_a_beat_after_the_end_is_refused(
     env: dict[str, str], tmp_path: Path
 ) -> None:
     saved = tmp_path / "env.json"
-    script = (f"import json, os, subprocess; json.dump(dict(os.environ), open({str(saved)!r},"
-              f" 'w')); raise SystemExit(subprocess.run([{OVERNIGHT!r}, 'beat', '--note', 'hello'],"
-              " capture_output=True).returncode)")  # fmt: skip
+    script = (
+        f"import json, os, subprocess; json.dump(dict(os.environ), open({str(saved)!r},"
+        f" 'w')); raise SystemExit(subprocess.run([{OVERNIGHT!r}, 'beat', '--note', 'hello'],"
+        " capture_output=True).returncode)"
+    )
     proc = run(["supervise", "--no-output-beats", "--", sys.executable, "-c", script], env)
     assert proc.returncode == 0, proc.stderr
     child_env = json.loads(saved.read_text())
@@ -110,11 +111,19 @@ def test_every_setting_has_a_rule_and_the_fast_defaults_are_the_settings_default
 
 
 def test_fast_path_reads_what_pydantic_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"OVERNIGHT_REDIS_URL": "redis://u:pw@host.example:6380/2",
-           "OVERNIGHT_NAMESPACE": "ns-1", "OVERNIGHT_HEARTBEAT_GAP": "2.5",
-           "OVERNIGHT_DEADLINE": " 6e2 ", "OVERNIGHT_GRACE": "0", "OVERNIGHT_LEASE_ID": "x",
-           "OVERNIGHT_BUDGET": "3", "OVERNIGHT_MODEL_URL": "http://x", "OVERNIGHT_QUEUE": "",
-           "OVERNIGHT_TASK_SOMETHING": "not a setting", "PATH": "/bin"}  # fmt: skip
+    env = {
+        "OVERNIGHT_REDIS_URL": "redis://u:pw@host.example:6380/2",
+        "OVERNIGHT_NAMESPACE": "ns-1",
+        "OVERNIGHT_HEARTBEAT_GAP": "2.5",
+        "OVERNIGHT_DEADLINE": " 6e2 ",
+        "OVERNIGHT_GRACE": "0",
+        "OVERNIGHT_LEASE_ID": "x",
+        "OVERNIGHT_BUDGET": "3",
+        "OVERNIGHT_MODEL_URL": "http://x",
+        "OVERNIGHT_QUEUE": "",
+        "OVERNIGHT_TASK_SOMETHING": "not a setting",
+        "PATH": "/bin",
+    }
     fast = read_fast(env, dotenv=False)
     assert fast == QuickSettings("redis://u:pw@host.example:6380/2", "ns-1", 2.5, 600.0, 0.0)
     _same_as_pydantic(monkeypatch, env, fast)
@@ -130,7 +139,12 @@ def _same_as_pydantic(
         monkeypatch.setenv(key, value)
     s = load_settings()
     assert (s.redis_url, s.namespace, s.heartbeat_gap, s.deadline, s.grace) == (
-        fast.redis_url, fast.namespace, fast.heartbeat_gap, fast.deadline, fast.grace)  # fmt: skip
+        fast.redis_url,
+        fast.namespace,
+        fast.heartbeat_gap,
+        fast.deadline,
+        fast.grace,
+    )
 
 
 @pytest.mark.parametrize(
@@ -177,9 +191,10 @@ def test_quick_settings_reports_bad_values_like_the_settings(
 @given(
     gap=st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(str), st.text(max_size=12)),
     ns=st.text(max_size=70),
-    url=st.one_of(st.just("redis://127.0.0.1:6379/0"), st.text(max_size=40).map(
-        lambda s: "redis://" + s)),
-)  # fmt: skip
+    url=st.one_of(
+        st.just("redis://127.0.0.1:6379/0"), st.text(max_size=40).map(lambda s: "redis://" + s)
+    ),
+)
 def test_fast_path_and_settings_agree(gap: str, ns: str, url: str) -> None:
     """Same rules both ways: what one accepts the other reads alike, what one refuses the
     other refuses."""
@@ -187,8 +202,9 @@ def test_fast_path_and_settings_agree(gap: str, ns: str, url: str) -> None:
         return
     env = {"OVERNIGHT_HEARTBEAT_GAP": gap, "OVERNIGHT_NAMESPACE": ns, "OVERNIGHT_REDIS_URL": url}
     fast = read_fast(env, dotenv=False)
-    given_ = {k: v for k, v in (("redis_url", url), ("namespace", ns), ("heartbeat_gap", gap))
-              if v != ""}  # fmt: skip
+    given_ = {
+        k: v for k, v in (("redis_url", url), ("namespace", ns), ("heartbeat_gap", gap)) if v != ""
+    }
     try:
         s = Settings(**given_)  # type: ignore[arg-type]
     except ValidationError:
@@ -196,7 +212,10 @@ def test_fast_path_and_settings_agree(gap: str, ns: str, url: str) -> None:
         return
     assert fast is not None
     assert (s.redis_url, s.namespace, s.heartbeat_gap) == (
-        fast.redis_url, fast.namespace, fast.heartbeat_gap)  # fmt: skip
+        fast.redis_url,
+        fast.namespace,
+        fast.heartbeat_gap,
+    )
 
 
 def test_the_hot_paths_import_neither_pydantic_nor_redis() -> None:
@@ -210,7 +229,8 @@ def test_the_hot_paths_import_neither_pydantic_nor_redis() -> None:
         "try:\n    send_beat(environ={})\nexcept NoChannel:\n    pass\n"
         "print(sorted(m for m in ('pydantic', 'redis') if m in sys.modules))\n"
     )
-    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
-                          timeout=30, cwd="/")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=30, cwd="/"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -97,8 +97,14 @@ while time.time() < end:
 
 
 def lease_show(env: dict[str, str], lease_id: str) -> dict[str, Any]:
-    proc = subprocess.run([OVERNIGHT, "lease", "show", lease_id], env=env, capture_output=True,
-                          text=True, timeout=30, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "lease", "show", lease_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     return json.loads(proc.stdout) if proc.returncode == 0 else {}
 
 
@@ -109,10 +115,24 @@ def test_the_recipes_worker_beats_through_the_file(
 ) -> None:
     path = tmp_path / "lease.json"
     code, doc, out = supervise(
-        ["--gap", "1", "--deadline", "30", "--no-output-beats", "--lease-file", str(path),
-         "--", PY, "-c", RECIPE, str(path), "3", mode],
+        [
+            "--gap",
+            "1",
+            "--deadline",
+            "30",
+            "--no-output-beats",
+            "--lease-file",
+            str(path),
+            "--",
+            PY,
+            "-c",
+            RECIPE,
+            str(path),
+            "3",
+            mode,
+        ],
         env,
-    )  # fmt: skip
+    )
     assert code == 0, out
     assert (doc["status"], doc["note"]) == ("done", "worker-complete")
     assert json.loads(path.read_text())["status"] == "done"
@@ -123,14 +143,35 @@ def test_a_note_written_to_the_file_reaches_the_lease(env: dict[str, str], tmp_p
     path = tmp_path / "lease.json"
     lease_id = "file-note-" + os.urandom(4).hex()
     proc = subprocess.Popen(
-        [OVERNIGHT, "supervise", "--gap", "1", "--deadline", "30", "--no-output-beats",
-         "--lease-id", lease_id, "--lease-file", str(path), "--", PY, "-c", RECIPE, str(path),
-         "4", "in-place"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "supervise",
+            "--gap",
+            "1",
+            "--deadline",
+            "30",
+            "--no-output-beats",
+            "--lease-id",
+            lease_id,
+            "--lease-file",
+            str(path),
+            "--",
+            PY,
+            "-c",
+            RECIPE,
+            str(path),
+            "4",
+            "in-place",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        note = wait_for(lambda: lease_show(env, lease_id).get("note", "").startswith("step "),
-                        timeout=20)  # fmt: skip
+        note = wait_for(
+            lambda: lease_show(env, lease_id).get("note", "").startswith("step "), timeout=20
+        )
         assert note
     finally:
         out, err = proc.communicate(timeout=40)
@@ -141,10 +182,26 @@ def test_a_note_written_to_the_file_reaches_the_lease(env: dict[str, str], tmp_p
 def test_the_file_cannot_end_or_extend_the_lease(env: dict[str, str], tmp_path: Path) -> None:
     path = tmp_path / "lease.json"
     code, doc, out = supervise(
-        ["--gap", "1", "--deadline", "2.5", "--grace", "0.5", "--no-output-beats",
-         "--lease-file", str(path), "--", PY, "-c", RECIPE, str(path), "60", "hostile"],
+        [
+            "--gap",
+            "1",
+            "--deadline",
+            "2.5",
+            "--grace",
+            "0.5",
+            "--no-output-beats",
+            "--lease-file",
+            str(path),
+            "--",
+            PY,
+            "-c",
+            RECIPE,
+            str(path),
+            "60",
+            "hostile",
+        ],
         env,
-    )  # fmt: skip
+    )
     # It beat (so no gap kill) but its deadline held, and its "done" was never taken.
     assert code == 2, out
     assert (doc["status"], doc["note"]) == ("expired", "budget-exceeded")
@@ -160,9 +217,23 @@ def test_a_status_without_a_beat_is_a_gap(env: dict[str, str], tmp_path: Path) -
         "d.update(status='done', exit_code=0); json.dump(d, open(p, 'w')); time.sleep(60)"
     )
     code, doc, out = supervise(
-        ["--gap", "1", "--deadline", "30", "--grace", "0.5", "--no-output-beats",
-         "--lease-file", str(path), "--", PY, "-c", child, str(path)],
+        [
+            "--gap",
+            "1",
+            "--deadline",
+            "30",
+            "--grace",
+            "0.5",
+            "--no-output-beats",
+            "--lease-file",
+            str(path),
+            "--",
+            PY,
+            "-c",
+            child,
+            str(path),
+        ],
         env,
-    )  # fmt: skip
+    )
     assert code == 3, out
     assert doc["status"] == "killed" and doc["note"].startswith("heartbeat-gap-")

@@ -37,8 +37,9 @@ def holders(request: pytest.FixtureRequest, namespace: str) -> Leases:
 
 @pytest.mark.parametrize("task_id", [None, "task-1"])
 def test_acquire_returns_the_stored_document(leases: Leases, task_id: str | None) -> None:
-    doc = leases.acquire(budget_sec=60, gap_sec=2.5, note="boot", supervisor_pid=os.getpid(),
-                         task_id=task_id)  # fmt: skip
+    doc = leases.acquire(
+        budget_sec=60, gap_sec=2.5, note="boot", supervisor_pid=os.getpid(), task_id=task_id
+    )
     assert doc == leases.get(doc.lease_id)
 
 
@@ -47,11 +48,14 @@ def test_end_with_fetch_returns_the_ended_document(holders: Leases) -> None:
     doc = leases.acquire(budget_sec=60, gap_sec=5)
     leases.attach(doc.lease_id, doc.token, pid=4242, pgid=4242, start=99)
     leases.beat(doc.lease_id, doc.token, note="working")
-    ended = leases.end(doc.lease_id, doc.token, "killed", "worker-exit-3", exit_code=3,
-                       fetch=True)  # fmt: skip
+    ended = leases.end(doc.lease_id, doc.token, "killed", "worker-exit-3", exit_code=3, fetch=True)
     assert ended is not None and ended == leases.get(doc.lease_id)
     assert (ended.status, ended.note, ended.exit_code, ended.holder_pid) == (
-        "killed", "worker-exit-3", 3, 4242)  # fmt: skip
+        "killed",
+        "worker-exit-3",
+        3,
+        4242,
+    )
     assert ended.ended_unix is not None and ended.heartbeat_unix >= doc.heartbeat_unix
 
 

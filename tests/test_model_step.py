@@ -92,16 +92,26 @@ def test_settings_on_stdin_not_in_the_environment(
     from overnight.coordinator.tasks.model_step import settings_line
 
     with Model("ok") as model:
-        line = settings_line({"OVERNIGHT_MODEL_URL": model.url, "OVERNIGHT_MODEL_API_KEY": SECRET,
-                              "OVERNIGHT_MODEL_NAME": "m-1", "OVERNIGHT_MODEL_TIMEOUT": "5",
-                              "OVERNIGHT_REDIS_URL": "redis://never:passed@h/0"})  # fmt: skip
+        line = settings_line(
+            {
+                "OVERNIGHT_MODEL_URL": model.url,
+                "OVERNIGHT_MODEL_API_KEY": SECRET,
+                "OVERNIGHT_MODEL_NAME": "m-1",
+                "OVERNIGHT_MODEL_TIMEOUT": "5",
+                "OVERNIGHT_REDIS_URL": "redis://never:passed@h/0",
+            }
+        )
         assert b"never" not in line
         env = {k: v for k, v in model_env.items() if not k.startswith("OVERNIGHT_MODEL")}
         proc = subprocess.run(
             [sys.executable, "-P", "-m", "overnight.coordinator.tasks.model_step"],
-            cwd=tmp_path, env={**env, "OVERNIGHT_MODEL_SETTINGS": "stdin"}, input=line,
-            capture_output=True, timeout=20, check=False,
-        )  # fmt: skip
+            cwd=tmp_path,
+            env={**env, "OVERNIGHT_MODEL_SETTINGS": "stdin"},
+            input=line,
+            capture_output=True,
+            timeout=20,
+            check=False,
+        )
     assert proc.returncode == 0, proc.stderr
     [req] = model.requests
     assert req["auth"] == f"Bearer {SECRET}" and req["body"]["model"] == "m-1"
@@ -109,16 +119,25 @@ def test_settings_on_stdin_not_in_the_environment(
 
 
 @pytest.mark.parametrize(
-    "line", [b"not json", b"[]", b'{"OVERNIGHT_MODEL_URL": "ftp://x"}',
-             b'{"OVERNIGHT_MODEL_TIMEOUT": "-1", "OVERNIGHT_MODEL_API_KEY": "sk-x"}'],
-)  # fmt: skip
+    "line",
+    [
+        b"not json",
+        b"[]",
+        b'{"OVERNIGHT_MODEL_URL": "ftp://x"}',
+        b'{"OVERNIGHT_MODEL_TIMEOUT": "-1", "OVERNIGHT_MODEL_API_KEY": "sk-x"}',
+    ],
+)
 def test_bad_settings_on_stdin_exit_78_in_one_line(
     model_env: dict[str, str], tmp_path: Path, line: bytes
 ) -> None:
     proc = subprocess.run(
         [sys.executable, "-P", "-m", "overnight.coordinator.tasks.model_step"],
-        cwd=tmp_path, env={**model_env, "OVERNIGHT_MODEL_SETTINGS": "stdin"}, input=line,
-        capture_output=True, timeout=20, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env={**model_env, "OVERNIGHT_MODEL_SETTINGS": "stdin"},
+        input=line,
+        capture_output=True,
+        timeout=20,
+        check=False,
+    )
     assert proc.returncode == 78 and len(proc.stderr.strip().splitlines()) == 1
     assert b"sk-x" not in proc.stderr

@@ -45,8 +45,11 @@ def build_wheel(tmp_path: Path) -> tuple[Path, str]:
 
 def backend_warnings(build_log: str) -> list[str]:
     """Lines of the build backend's output (pip indents them) that warn about anything."""
-    return [line for line in build_log.splitlines()
-            if line.startswith(" ") and re.search(r"warn", line, re.IGNORECASE)]  # fmt: skip
+    return [
+        line
+        for line in build_log.splitlines()
+        if line.startswith(" ") and re.search(r"warn", line, re.IGNORECASE)
+    ]
 
 
 def test_backend_warnings_are_found() -> None:
@@ -79,16 +82,28 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
             assert f"overnight/{module.relative_to(root)}" in names, module
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60
+    )
     python = venv / "bin" / "python"
     (site,) = (venv / "lib").glob("python3*/site-packages")
     before = set(os.listdir(site))
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-         "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     assert set(os.listdir(site)) - before == {"overnight", dist_info}
 
@@ -101,23 +116,38 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
     where = subprocess.run(
         [str(python), "-P", "-c", "import overnight; print(overnight.__file__)"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(site)
 
     demo = subprocess.run(
         [str(venv / "bin" / "overnight"), "demo"],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "shadowed" not in demo.stdout + demo.stderr
     assert demo.stdout.count("as expected") == 4, demo.stdout
     listed = subprocess.run(
         [str(venv / "bin" / "overnight"), "agents", "--json"],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr
     assert [row["name"] for row in json.loads(listed.stdout)] == [
-        "aider", "claude", "codex", "mini-swe-agent"
-    ]  # fmt: skip
+        "aider",
+        "claude",
+        "codex",
+        "mini-swe-agent",
+    ]

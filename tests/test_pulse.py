@@ -72,7 +72,9 @@ def test_beat_reaches_the_channel_with_its_note(served: Served) -> None:
     pulse.beat(environ=served.environ)
     # The reply goes out before the serving thread records the beat: wait for the record.
     assert wait_for(lambda: served.beats if len(served.beats) == 2 else None, timeout=5) == [
-        Beat("halfway"), Beat(None)]  # fmt: skip
+        Beat("halfway"),
+        Beat(None),
+    ]
 
 
 def test_a_beat_for_another_lease_id_is_refused(served: Served) -> None:
@@ -128,8 +130,9 @@ def test_a_note_from_the_child_reaches_the_lease(
         "left = beat(note='halfway')\nassert 0 < left <= 5, left\n"
         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
     )
-    proc = start(["--gap", "5", "--lease-id", f"note-{namespace}", "--", sys.executable, "-c",
-                  script], env)  # fmt: skip
+    proc = start(
+        ["--gap", "5", "--lease-id", f"note-{namespace}", "--", sys.executable, "-c", script], env
+    )
     try:
         leases = Leases(r, Keys(namespace))
 

@@ -72,9 +72,19 @@ def spawn(leases: Leases, keys: Keys) -> Iterator[Spawn]:
         ticks = procs.start_ticks(child.pid)
         assert ticks is not None
         sup = procs.start_ticks(supervisor_pid) if supervisor_pid > 0 else None
-        assert proof.store(keys.namespace, proof.Proof(doc.lease_id, doc.token, child.pid,
-                                                       child.pid, ticks, procs.boot_id(),
-                                                       supervisor_pid, sup or 0))  # fmt: skip
+        assert proof.store(
+            keys.namespace,
+            proof.Proof(
+                doc.lease_id,
+                doc.token,
+                child.pid,
+                child.pid,
+                ticks,
+                procs.boot_id(),
+                supervisor_pid,
+                sup or 0,
+            ),
+        )
         made.append((doc.lease_id, child))
         fresh = leases.get(doc.lease_id)
         assert fresh is not None
@@ -356,10 +366,25 @@ def test_sigkilled_supervisor_leaves_nothing_behind(
     )
     reaper = start_reaper(env)
     supervisor = subprocess.Popen(
-        [OVERNIGHT, "supervise", "--quiet", "--gap", str(gap), "--grace", "1",
-         "--lease-id", lease_id, "--", "sh", "-c", script],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "supervise",
+            "--quiet",
+            "--gap",
+            str(gap),
+            "--grace",
+            "1",
+            "--lease-id",
+            lease_id,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         grandchild, child = read_pids(pids)
         wait_for(lambda: os.getsid(grandchild) != os.getsid(child), timeout=5)  # setsid ran

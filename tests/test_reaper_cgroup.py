@@ -77,17 +77,38 @@ def marked(mark: str) -> list[int]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("keep_proof", [True, False])
 def test_a_sigkilled_supervisors_step_dies_through_its_cgroup(
-    keep_proof: bool, env: dict[str, str], redis_server: EmbeddedRedis, r: redis.Redis,
-    namespace: str, stage: Path, step_user: StepUser,
-) -> None:  # fmt: skip
+    keep_proof: bool,
+    env: dict[str, str],
+    redis_server: EmbeddedRedis,
+    r: redis.Redis,
+    namespace: str,
+    stage: Path,
+    step_user: StepUser,
+) -> None:
     lease_id = f"cg-{uuid.uuid4().hex[:8]}"
     mark = f"overnight-reaped-{uuid.uuid4().hex}"
     env = {**env, "OVERNIGHT_STEP_USER": step_user.name}
     supervisor = subprocess.Popen(
-        [OVERNIGHT, "supervise", "--quiet", "--gap", "3", "--grace", "0.5",
-         "--lease-id", lease_id, "--", PY3, str(stage / "step.py"), mark],
-        env=env, cwd=stage, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "supervise",
+            "--quiet",
+            "--gap",
+            "3",
+            "--grace",
+            "0.5",
+            "--lease-id",
+            lease_id,
+            "--",
+            PY3,
+            str(stage / "step.py"),
+            mark,
+        ],
+        env=env,
+        cwd=stage,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     path = cgroup.group_path(namespace, lease_id)
     assert path is not None
     try:
@@ -104,8 +125,13 @@ def test_a_sigkilled_supervisors_step_dies_through_its_cgroup(
         assert marked(mark)
         leases = Leases(r, Keys(namespace))
         wait_for(lambda: not leases.is_alive(lease_id), timeout=30)
-        done = subprocess.run([OVERNIGHT, "reaper", "--once", "-v", "--grace", "0.5"], env=env,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [OVERNIGHT, "reaper", "--once", "-v", "--grace", "0.5"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         # Nothing of the tree is alive when the pass returns, and the group is gone.
         assert marked(mark) == [], done.stderr

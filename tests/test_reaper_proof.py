@@ -40,8 +40,14 @@ def victim() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait(5)
 
 
-def forge(r: redis.Redis, keys: Keys, pid: int, *, lease_id: str | None = None,
-          token: int = 1_700_000_000_000_001) -> str:  # fmt: skip
+def forge(
+    r: redis.Redis,
+    keys: Keys,
+    pid: int,
+    *,
+    lease_id: str | None = None,
+    token: int = 1_700_000_000_000_001,
+) -> str:
     """Write a lapsed running lease straight into Redis, as a step with Redis access could:
     it names ``pid`` with its real start time, pgid, boot id and this host."""
     lease_id = lease_id or f"forged-{uuid.uuid4().hex[:8]}"
@@ -49,14 +55,29 @@ def forge(r: redis.Redis, keys: Keys, pid: int, *, lease_id: str | None = None,
     assert ticks is not None
     secs, _micros = r.time()
     now = float(secs)
-    r.hset(keys.lease(lease_id), mapping={
-        "lease_id": lease_id, "token": str(token), "holder_pid": str(pid), "pgid": str(pid),
-        "host": procs.hostname(), "budget_sec": "600", "started_unix": f"{now - 60:.6f}",
-        "deadline_unix": f"{now + 540:.6f}", "heartbeat_unix": f"{now - 30:.6f}",
-        "heartbeat_max_gap_sec": "5", "status": "running", "note": "boot", "exit_code": "",
-        "ended_unix": "", "supervisor_pid": str(2**22 + 11), "child_start_ticks": str(ticks),
-        "boot_id": procs.boot_id(), "task_id": "",
-    })  # fmt: skip
+    r.hset(
+        keys.lease(lease_id),
+        mapping={
+            "lease_id": lease_id,
+            "token": str(token),
+            "holder_pid": str(pid),
+            "pgid": str(pid),
+            "host": procs.hostname(),
+            "budget_sec": "600",
+            "started_unix": f"{now - 60:.6f}",
+            "deadline_unix": f"{now + 540:.6f}",
+            "heartbeat_unix": f"{now - 30:.6f}",
+            "heartbeat_max_gap_sec": "5",
+            "status": "running",
+            "note": "boot",
+            "exit_code": "",
+            "ended_unix": "",
+            "supervisor_pid": str(2**22 + 11),
+            "child_start_ticks": str(ticks),
+            "boot_id": procs.boot_id(),
+            "task_id": "",
+        },
+    )
     r.zadd(keys.lease_expiry, {lease_id: (now - 25) * 1000})
     return lease_id
 
@@ -96,8 +117,11 @@ def test_a_forged_lease_naming_real_processes_is_ended_without_a_signal(
     assert victim.poll() is None and pid_alive(victim.pid)
     assert target.proc.poll() is None and other.ping()
     for lease_id in forged:
-        refusal = [line for line in log.splitlines() if f"lease={lease_id}" in line
-                   and "not signalling anything" in line]  # fmt: skip
+        refusal = [
+            line
+            for line in log.splitlines()
+            if f"lease={lease_id}" in line and "not signalling anything" in line
+        ]
         assert len(refusal) == 1 and f"host={procs.hostname()}" in refusal[0], log
         assert "no proof" in refusal[0]
         doc = ended(r, keys, lease_id)
@@ -121,9 +145,12 @@ def test_a_proof_that_names_another_process_is_refused(
     ticks = procs.start_ticks(child.pid)
     assert ticks is not None
     child.wait(5)
-    assert proof.store(keys.namespace, proof.Proof(doc.lease_id, doc.token, child.pid,
-                                                   child.pid, ticks, procs.boot_id(),
-                                                   2**22 + 12, 0))  # fmt: skip
+    assert proof.store(
+        keys.namespace,
+        proof.Proof(
+            doc.lease_id, doc.token, child.pid, child.pid, ticks, procs.boot_id(), 2**22 + 12, 0
+        ),
+    )
     # ...whose document a step rewrote to name the victim (real start time and all).
     wait_for(lambda: not leases.is_alive(doc.lease_id), timeout=5)
     forge(r, keys, victim.pid, lease_id=doc.lease_id, token=doc.token)
@@ -140,8 +167,20 @@ def test_a_proof_that_names_another_process_is_refused(
 def test_a_proof_vouches_only_for_the_document_it_matches() -> None:
     boot = procs.boot_id()
     made = proof.Proof("L1", 7, 4242, 4242, 555, boot, 4000, 400)
-    lease = LeaseDoc("L1", 7, 60, 0, 60, 0, 5, "running", holder_pid=4242, pgid=4242,
-                     child_start_ticks=555, boot_id=boot)  # fmt: skip
+    lease = LeaseDoc(
+        "L1",
+        7,
+        60,
+        0,
+        60,
+        0,
+        5,
+        "running",
+        holder_pid=4242,
+        pgid=4242,
+        child_start_ticks=555,
+        boot_id=boot,
+    )
     table = [
         ({}, ""),
         ({"lease_id": "L2"}, "proof names another lease"),
@@ -183,10 +222,25 @@ def test_a_sigkilled_supervisor_is_still_reaped_through_its_proof(
         f"mv {pids}.tmp {pids}; while :; do echo tick; sleep 0.1; done"
     )
     supervisor = subprocess.Popen(
-        [OVERNIGHT, "supervise", "--quiet", "--gap", "0.5", "--grace", "0.5",
-         "--lease-id", lease_id, "--", "sh", "-c", script],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "supervise",
+            "--quiet",
+            "--gap",
+            "0.5",
+            "--grace",
+            "0.5",
+            "--lease-id",
+            lease_id,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     found: list[int] = []
     try:
         wait_for(lambda: pids.exists() and len(pids.read_text().split()) >= 2, timeout=10)
@@ -218,8 +272,19 @@ def test_the_reaper_never_signals_itself_or_its_ancestors(keys: Keys) -> None:
     me = procs.read_proc(os.getpid())
     assert me is not None
     # Even a proven lease whose tree would take in this process (and pid 1) leaves them out.
-    doc = LeaseDoc("self", 1, 60, 0, 60, 0, 5, "running", holder_pid=me.pid, pgid=me.pgid,
-                   child_start_ticks=me.start)  # fmt: skip
+    doc = LeaseDoc(
+        "self",
+        1,
+        60,
+        0,
+        60,
+        0,
+        5,
+        "running",
+        holder_pid=me.pid,
+        pgid=me.pgid,
+        child_start_ticks=me.start,
+    )
     made = proof.Proof("self", 1, me.pid, me.pgid, me.start, procs.boot_id(), 0, 0)
     members = LapsedTrees([Target(doc, made, True)]).members()
     assert not {1, os.getpid(), os.getppid()} & set(members)
@@ -232,14 +297,18 @@ def test_a_child_its_supervisor_never_recorded_is_reaped_through_the_proof(
 
     leases = Leases(r, keys)
     doc = leases.acquire(budget_sec=600, gap_sec=0.2)
-    child = subprocess.Popen(["sleep", "300"], start_new_session=True,
-                             env={**os.environ, procs.TAG_VAR: doc.lease_id})  # fmt: skip
+    child = subprocess.Popen(
+        ["sleep", "300"], start_new_session=True, env={**os.environ, procs.TAG_VAR: doc.lease_id}
+    )
     try:
         ticks = wait_for(lambda: procs.start_ticks(child.pid), timeout=5)
         # The supervisor wrote its proof, then died before attaching the child to the lease.
-        assert proof.store(keys.namespace, proof.Proof(doc.lease_id, doc.token, child.pid,
-                                                       child.pid, ticks, procs.boot_id(),
-                                                       2**22 + 13, 0))  # fmt: skip
+        assert proof.store(
+            keys.namespace,
+            proof.Proof(
+                doc.lease_id, doc.token, child.pid, child.pid, ticks, procs.boot_id(), 2**22 + 13, 0
+            ),
+        )
         wait_for(lambda: not leases.is_alive(doc.lease_id), timeout=5)
         report = reap_once(r, keys, grace=1.0, host_ttl=None)
         assert report.signalled >= 1 and child.wait(5) is not None

@@ -26,8 +26,13 @@ RUNNER = Runner(host="h", pid=1, worker="w", job_id="j")
 
 
 def _spec(tmp_path: Path) -> TaskSpec:
-    return TaskSpec(assignment="x", workdir=str(tmp_path), agent=["true"], max_calls=3,
-                    verifier=[Rule(name="r", run=["true"])])  # fmt: skip
+    return TaskSpec(
+        assignment="x",
+        workdir=str(tmp_path),
+        agent=["true"],
+        max_calls=3,
+        verifier=[Rule(name="r", run=["true"])],
+    )
 
 
 def _settings(env: dict[str, str], **over: object) -> Settings:

@@ -116,8 +116,9 @@ def _hold_full(
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 @pytest.mark.slow
@@ -143,8 +144,9 @@ def test_worker_and_reaper_ride_out_a_full_redis(
     logs.mkdir()
     for name, args in (("worker", ["worker"]), ("reaper", ["reaper", "--interval", "0.2"])):
         out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
-        procs.append(subprocess.Popen([OVERNIGHT, *args], env=tenv, stdout=out,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(
+            subprocess.Popen([OVERNIGHT, *args], env=tenv, stdout=out, stderr=subprocess.STDOUT)
+        )
         out.close()
     wait_for(lambda: b"Listening on" in (logs / "worker.log").read_bytes(), timeout=30)
 
@@ -152,15 +154,19 @@ def test_worker_and_reaper_ride_out_a_full_redis(
     #    meet the refusal (held until both said so: a write of theirs may slip through
     #    while the test refills after a key expired).
     def both_refused() -> bool:
-        return all(b"Redis unavailable (OutOfMemoryError" in (logs / f"{name}.log").read_bytes()
-                   for name in ("worker", "reaper"))  # fmt: skip
+        return all(
+            b"Redis unavailable (OutOfMemoryError" in (logs / f"{name}.log").read_bytes()
+            for name in ("worker", "reaper")
+        )
 
     _hold_full(client, refusals=40, until=both_refused)
     assert all(p.poll() is None for p in procs), "a process died while Redis was full"
     # 2. Full while tasks run and wait in the queue.
     ids = [f"full-{i}" for i in range(6)]
-    files = [task_file(tmp_path, i, [PY, "-c", SLOW_FIX], [["test", "-f", "ok.txt"]],
-                       heartbeat_gap=30) for i in ids]  # fmt: skip
+    files = [
+        task_file(tmp_path, i, [PY, "-c", SLOW_FIX], [["test", "-f", "ok.txt"]], heartbeat_gap=30)
+        for i in ids
+    ]
     proc = _cli(tenv, "submit", *map(str, files))
     assert proc.returncode == 0, proc.stderr
     _hold_full(client, refusals=40)
@@ -187,8 +193,10 @@ def test_worker_and_reaper_ride_out_a_full_redis(
     # Both met the full Redis, said so, and went on (each says so at its next try: polled,
     # a backoff may still be running when the tasks are done).
     def recovered() -> bool:
-        return all(b"Redis available again" in (logs / f"{name}.log").read_bytes()
-                   for name in ("worker", "reaper"))  # fmt: skip
+        return all(
+            b"Redis available again" in (logs / f"{name}.log").read_bytes()
+            for name in ("worker", "reaper")
+        )
 
     wait_for(recovered, timeout=30)
     worker_log = (logs / "worker.log").read_text()
@@ -214,12 +222,17 @@ def test_a_worker_started_before_its_redis_waits_for_it(
     port = free_port()
     password = uuid.uuid4().hex
     url = f"redis://:{password}@127.0.0.1:{port}/0"
-    tenv = {**env, "OVERNIGHT_REDIS_URL": url, "OVERNIGHT_QUEUE": namespace,
-            "OVERNIGHT_GRACE": "0.5"}  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_REDIS_URL": url,
+        "OVERNIGHT_QUEUE": namespace,
+        "OVERNIGHT_GRACE": "0.5",
+    }
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as out:
-        procs.append(subprocess.Popen([OVERNIGHT, "worker"], env=tenv, stdout=out,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(
+            subprocess.Popen([OVERNIGHT, "worker"], env=tenv, stdout=out, stderr=subprocess.STDOUT)
+        )
     wait_for(lambda: b"Redis unavailable" in log_path.read_bytes(), timeout=30)
     assert procs[0].poll() is None
     redis_factory(port=port, password=password)

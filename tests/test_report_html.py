@@ -218,11 +218,17 @@ def test_a_demo_night_report_metrics_and_notification(
     assert colours is not None and len(colours) > 50  # not a blank page
     # The same page from the command line, after the night.
     again = tmp_path / "again.html"
-    cli = subprocess.run([OVERNIGHT, "report", "--html", str(again)], env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    cli = subprocess.run(
+        [OVERNIGHT, "report", "--html", str(again)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cli.returncode == 0 and cli.stdout.strip() == str(again), cli.stderr
-    assert all(f'data-task="{task}" data-state="{st}"' in again.read_text()
-               for task, st in states.items())  # fmt: skip
+    assert all(
+        f'data-task="{task}" data-state="{st}"' in again.read_text() for task, st in states.items()
+    )
     if os.environ.get("UPDATE_DOCS"):
         DOCS_PNG.parent.mkdir(exist_ok=True)
         shutil.copy(shot, DOCS_PNG)
@@ -361,9 +367,11 @@ def test_the_coordinator_serves_metrics_and_counts_its_reaper_passes(
     port = free_port()
     proc = subprocess.Popen(
         [OVERNIGHT, "coordinator", "--interval", "0.2"],
-        cwd=tmp_path, env={**env, "OVERNIGHT_METRICS_PORT": str(port), "OVERNIGHT_BUDGET": "7"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env={**env, "OVERNIGHT_METRICS_PORT": str(port), "OVERNIGHT_BUDGET": "7"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
 
         def passes() -> float:

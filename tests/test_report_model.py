@@ -68,18 +68,30 @@ def test_lease_reason_is_a_bounded_label(note: str, reason: str) -> None:
 
 
 def spec(task_id: str, **kw: Any) -> TaskSpec:
-    data = {"id": task_id, "assignment": "do it", "workdir": "/tmp", "max_calls": 10,
-            "verifier": [{"name": "tests", "run": ["true"]}], **kw}  # fmt: skip
+    data = {
+        "id": task_id,
+        "assignment": "do it",
+        "workdir": "/tmp",
+        "max_calls": 10,
+        "verifier": [{"name": "tests", "run": ["true"]}],
+        **kw,
+    }
     return TaskSpec.model_validate(data)
 
 
 def record(task_id: str, state: State, **cp: Any) -> TaskRecord:
     return TaskRecord(
-        id=task_id, run="r1", attempt=1, state=state, spec=spec(task_id),
-        checkpoint=Checkpoint(**cp), submitted_unix=T0, started_unix=T0 + 1,
+        id=task_id,
+        run="r1",
+        attempt=1,
+        state=state,
+        spec=spec(task_id),
+        checkpoint=Checkpoint(**cp),
+        submitted_unix=T0,
+        started_unix=T0 + 1,
         ended_unix=T0 + 20 if state not in (State.RUNNING, State.QUEUED) else None,
         calls_used=3,
-    )  # fmt: skip
+    )
 
 
 def rc(
@@ -92,14 +104,27 @@ def night() -> tuple[list[TaskRecord], list[Receipt]]:
     failing = Verdict(turn=2, passed=[], failed=["tests"])
     records = [
         record("ok", State.FINISHED_VERIFIED, last_verdict=Verdict(turn=1, passed=["tests"])),
-        record("bad", State.HALTED_STUCK, last_verdict=failing,
-               memory=Memory(unmet=["tests"], rule="tests", evidence="AssertionError: 1 != 2")),
-        record("held", State.PAUSED, protected_changed=["tests/test_x.py"], branch="overnight/held",
-               diffstat="1 file changed, 1 insertion(+)"),
-        record("busy", State.RUNNING, in_flight=InFlight(turn=1, step=0, name="agent",
-                                                          request_id="busy:r1:1:0",
-                                                          started_unix=T0 + 3)),
-    ]  # fmt: skip
+        record(
+            "bad",
+            State.HALTED_STUCK,
+            last_verdict=failing,
+            memory=Memory(unmet=["tests"], rule="tests", evidence="AssertionError: 1 != 2"),
+        ),
+        record(
+            "held",
+            State.PAUSED,
+            protected_changed=["tests/test_x.py"],
+            branch="overnight/held",
+            diffstat="1 file changed, 1 insertion(+)",
+        ),
+        record(
+            "busy",
+            State.RUNNING,
+            in_flight=InFlight(
+                turn=1, step=0, name="agent", request_id="busy:r1:1:0", started_unix=T0 + 3
+            ),
+        ),
+    ]
     receipts = [
         rc("envelope_reset", 0, envelope="default", budget=10),
         rc("task_state", 1, "ok", state="running", worker="w1"),
@@ -113,16 +138,35 @@ def night() -> tuple[list[TaskRecord], list[Receipt]]:
         rc("task_state", 1.5, "bad", state="running", worker="w2"),
         rc("lease_acquired", 1.5, "bad", "L3"),
         rc("lease_ended", 4, "bad", "L3", status="killed", note="heartbeat-gap-2.0s"),
-        rc("step_finished", 4, "bad", "L3", step="agent", turn=1, status="killed",
-           note="heartbeat-gap-2.0s"),
+        rc(
+            "step_finished",
+            4,
+            "bad",
+            "L3",
+            step="agent",
+            turn=1,
+            status="killed",
+            note="heartbeat-gap-2.0s",
+        ),
         rc("task_state", 5, "held", state="paused_for_reconciliation", detail="worker died"),
         rc("task_state", 3, "busy", state="running", worker="w1"),
         rc("lease_acquired", 3, "busy", "L4"),
-        rc("model_call", 3.5, "busy", "L4", tokens=120, input_tokens=100, output_tokens=20,
-           tool_calls=1, model_units=1, status=200, tool_units_charged=1),
+        rc(
+            "model_call",
+            3.5,
+            "busy",
+            "L4",
+            tokens=120,
+            input_tokens=100,
+            output_tokens=20,
+            tool_calls=1,
+            model_units=1,
+            status=200,
+            tool_units_charged=1,
+        ),
         rc("model_call", 3.6, "busy", "L4", tokens=0, model_units=0, status=502, refunded=True),
         rc("lease_acquired", 9, None, "L9"),  # a bare `supervise`: not a task's step
-    ]  # fmt: skip
+    ]
     return records, receipts
 
 
@@ -130,12 +174,18 @@ def test_build_the_night() -> None:
     records, receipts = night()
     env = {"default": {"remaining": 4, "consumed_model": 4, "consumed_tool": 2, "budget": 10}}
     report = build(records, receipts, env, T0 + 30, namespace="ns", diffs={"held": "+x\n"})
-    assert report.counts == {"finished_verified": 1, "halted_stuck": 1,
-                             "paused_for_reconciliation": 1, "running": 1}  # fmt: skip
+    assert report.counts == {
+        "finished_verified": 1,
+        "halted_stuck": 1,
+        "paused_for_reconciliation": 1,
+        "running": 1,
+    }
     assert [(b.task_id, b.kind, b.ending) for b in report.bars] == [
-        ("ok", "agent", "clean"), ("bad", "agent", "gap"), ("ok", "verifier", "clean"),
+        ("ok", "agent", "clean"),
+        ("bad", "agent", "gap"),
+        ("ok", "verifier", "clean"),
         ("busy", "agent", "running"),
-    ]  # fmt: skip
+    ]
     busy = next(b for b in report.bars if b.task_id == "busy")
     assert busy.end == T0 + 30  # still running: up to now
     assert {b.worker for b in report.bars} == {"w1", "w2"}
@@ -184,9 +234,12 @@ def test_everything_from_a_task_is_escaped() -> None:
     assert "\x00" not in shown and '"' not in shown and "'" not in shown
     assert "&lt;U+202E&gt;" in shown and "&lt;U+001B&gt;" in shown
     records, receipts = night()
-    evil = record("evil", State.HALTED_STUCK,
-                  last_verdict=Verdict(turn=1, failed=["tests"]),
-                  memory=Memory(unmet=["tests"], rule="tests", evidence=HOSTILE))  # fmt: skip
+    evil = record(
+        "evil",
+        State.HALTED_STUCK,
+        last_verdict=Verdict(turn=1, failed=["tests"]),
+        memory=Memory(unmet=["tests"], rule="tests", evidence=HOSTILE),
+    )
     evil = evil.model_copy(update={"spec": spec("evil", assignment=HOSTILE.replace("\x00", ""))})
     evil.detail = "<b>" + HOSTILE
     page = html_report.render(build([*records, evil], receipts, {}, T0 + 30))
@@ -227,9 +280,14 @@ def test_parse_stop_at(text: str, want: datetime) -> None:
 
 @pytest.mark.parametrize(
     ("text", "in_past"),
-    [("2026-12-03T22:00+00:00", True), ("25:00", False), ("7pm", False), ("", False),
-     ("12:60", False)],
-)  # fmt: skip
+    [
+        ("2026-12-03T22:00+00:00", True),
+        ("25:00", False),
+        ("7pm", False),
+        ("", False),
+        ("12:60", False),
+    ],
+)
 def test_parse_stop_at_refuses(text: str, in_past: bool) -> None:
     with pytest.raises(StopAtError) as err:
         parse_stop_at(text, NOW)
@@ -252,7 +310,7 @@ def test_parse_stop_at_refuses(text: str, in_past: bool) -> None:
         # A passed ISO time stays passed: the night is over.
         ("2026-12-03T22:00+00:00", NOW, NOW - timedelta(minutes=30)),
     ],
-)  # fmt: skip
+)
 def test_stop_unix_reads_from_the_process_start(
     text: str | None, since: datetime, want: datetime | None
 ) -> None:
@@ -297,8 +355,9 @@ def test_stopped_between_steps_keeps_the_checkpoint() -> None:
 def test_a_step_the_stop_ended_runs_again() -> None:
     flight = InFlight(turn=3, step=0, name="agent", request_id="t:r1:3:0", started_unix=T0)
     cp = Checkpoint(turn=3, step=0, turns=3, in_flight=flight)
-    out = StepOutcome(exit_code=2, status="expired", note="budget-exceeded", lease_id="L",
-                      tail="", digest="d")  # fmt: skip
+    out = StepOutcome(
+        exit_code=2, status="expired", note="budget-exceeded", lease_id="L", tail="", digest="d"
+    )
     nxt = stop.stopped(cp, spec("t"), T0, out)
     assert nxt.state == QUEUED
     assert nxt.checkpoint.in_flight is None
@@ -370,8 +429,11 @@ def test_notify_retries_then_delivers() -> None:
         assert notify.post(url, payload, attempts=3, backoff=0.01)
         assert Receiver.bodies == [json.loads(json.dumps(payload))]
         assert payload["counts"]["running"] == 1
-        assert payload["needs_person"][0] == {"task": "held", "what": "paused",
-                                              "text": "paused for reconciliation"}  # fmt: skip
+        assert payload["needs_person"][0] == {
+            "task": "held",
+            "what": "paused",
+            "text": "paused for reconciliation",
+        }
         Receiver.fail_first = 5
         assert not notify.post(url, payload, attempts=2, backoff=0.01)
     finally:

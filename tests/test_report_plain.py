@@ -40,8 +40,11 @@ def test_plain_report_escapes_and_lists_endings(tmp_path: Path) -> None:
     evil = "done\x1b[2J\x1b]0;owned\x07 \u202etxt.exe"
     ending = "turn 1 agent killed: heartbeat gap 2.0 s"
     out = io.StringIO()
-    render_plain([record(tmp_path, "t1", evil, [ending, "turn 2 rule ok timed out after 20 s"])],
-                 out, ["envelope default: remaining 3\x1b[0m"])  # fmt: skip
+    render_plain(
+        [record(tmp_path, "t1", evil, [ending, "turn 2 rule ok timed out after 20 s"])],
+        out,
+        ["envelope default: remaining 3\x1b[0m"],
+    )
     text = out.getvalue()
     assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
     assert "done\\x1b[2J\\x1b]0;owned\\x07 \\u202etxt.exe" in text

@@ -23,16 +23,21 @@ from tests.helpers import OVERNIGHT, task_file
 PY = sys.executable
 # The agent beats through the CLI and spends from the envelope itself: both must work
 # with the same URL (TLS options, ACL user) the worker was given.
-AGENT = [PY, "-c", (
-    "import subprocess, sys, pathlib\n"
-    f"subprocess.run([{OVERNIGHT!r}, 'beat', '--note', 'agent'], check=True)\n"
-    "pathlib.Path('ok.txt').touch()\n"
-)]  # fmt: skip
+AGENT = [
+    PY,
+    "-c",
+    (
+        "import subprocess, sys, pathlib\n"
+        f"subprocess.run([{OVERNIGHT!r}, 'beat', '--note', 'agent'], check=True)\n"
+        "pathlib.Path('ok.txt').touch()\n"
+    ),
+]
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def exercise(env: dict[str, str], tmp_path: Path, name: str) -> None:
@@ -59,16 +64,45 @@ def exercise(env: dict[str, str], tmp_path: Path, name: str) -> None:
 def tls_server(tmp_path: Path) -> Any:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     port = free_port()
     # The plain port stays on 127.0.0.1 for EmbeddedRedis's readiness check only.
-    server = EmbeddedRedis(tmp_path / "tls-redis", extra_args=[
-        "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"])  # fmt: skip
+    server = EmbeddedRedis(
+        tmp_path / "tls-redis",
+        extra_args=[
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+        ],
+    )
     server.start()
     yield port, cert
     server.stop(kill=True)
@@ -95,9 +129,20 @@ def test_everything_runs_over_tls(
 
 def acl_user(admin: redis.Redis, name: str, password: str, namespace: str) -> None:
     admin.execute_command(
-        "ACL", "SETUSER", name, "reset", "on", f">{password}",
-        f"~{{{namespace}}}:*", "~rq:*", "&*", "+@all", "-@admin", "-@dangerous", "+info",
-    )  # fmt: skip
+        "ACL",
+        "SETUSER",
+        name,
+        "reset",
+        "on",
+        f">{password}",
+        f"~{{{namespace}}}:*",
+        "~rq:*",
+        "&*",
+        "+@all",
+        "-@admin",
+        "-@dangerous",
+        "+info",
+    )
 
 
 @pytest.mark.slow
@@ -115,8 +160,9 @@ def test_an_acl_user_limited_to_its_namespace_runs_everything_and_nothing_else(
     exercise(tenv, tmp_path, "acl-task")
 
     # The other namespace's records, written by its own user.
-    day = redis.Redis.from_url(f"redis://day:other-pw@127.0.0.1:{server.port}/0",
-                               decode_responses=True)  # fmt: skip
+    day = redis.Redis.from_url(
+        f"redis://day:other-pw@127.0.0.1:{server.port}/0", decode_responses=True
+    )
     theirs = Leases(day, Keys(other)).acquire(budget_sec=600, gap_sec=600)
     CallEnvelope(day, "default", other).reset(9)
     night = redis.Redis.from_url(url, decode_responses=True)
@@ -167,9 +213,17 @@ def test_namespace_a_cannot_read_beat_end_or_spend_anything_of_b(
     env_a = {**env, "OVERNIGHT_NAMESPACE": a.namespace}
     # `overnight beat` holds no Redis client at all: without its supervisor's channel it is
     # no lease, whatever ids and tokens the environment names.
-    beat = subprocess.run([OVERNIGHT, "beat"], capture_output=True, text=True, timeout=30,
-                          env={**env_a, "OVERNIGHT_LEASE_ID": lease_b.lease_id,
-                               "OVERNIGHT_LEASE_TOKEN": str(lease_b.token)})  # fmt: skip
+    beat = subprocess.run(
+        [OVERNIGHT, "beat"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={
+            **env_a,
+            "OVERNIGHT_LEASE_ID": lease_b.lease_id,
+            "OVERNIGHT_LEASE_TOKEN": str(lease_b.token),
+        },
+    )
     assert beat.returncode == 64, beat.stderr
     for args, code in [
         (["lease", "show", lease_b.lease_id], 64),
@@ -234,10 +288,24 @@ def test_a_supervised_child_cannot_forge_ends_or_beat_another_lease(
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     proc = subprocess.run(
-        [OVERNIGHT, "supervise", "--gap", "5", "--", PY, str(script), victim.lease_id,
-         str(victim.token), env["OVERNIGHT_REDIS_URL"], namespace],
-        env=env, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "supervise",
+            "--gap",
+            "5",
+            "--",
+            PY,
+            str(script),
+            victim.lease_id,
+            str(victim.token),
+            env["OVERNIGHT_REDIS_URL"],
+            namespace,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     verdicts = json.loads(proc.stdout.splitlines()[0])
     assert "ALLOWED" not in verdicts.values(), verdicts
@@ -261,8 +329,12 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
     password, api_key = "pw-Zq81xVv2", "sk-SECRET-9f3kq"
     server = redis_factory(extra_args=["--requirepass", password])
     url = f"redis://:{password}@127.0.0.1:{server.port}/0"
-    tenv = {**env, "OVERNIGHT_REDIS_URL": url, "OVERNIGHT_QUEUE": namespace,
-            "OVERNIGHT_MODEL_API_KEY": api_key}  # fmt: skip
+    tenv = {
+        **env,
+        "OVERNIGHT_REDIS_URL": url,
+        "OVERNIGHT_QUEUE": namespace,
+        "OVERNIGHT_MODEL_API_KEY": api_key,
+    }
     seen: list[str] = []
 
     config = run(tenv, "config")
@@ -275,8 +347,13 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
     path = task_file(tmp_path, "quiet", None, [["true"]])
     assert run(tenv, "envelope", "reset", "5").returncode == 0
     assert run(tenv, "submit", str(path)).returncode == 0
-    worker = subprocess.Popen([OVERNIGHT, "worker", "--burst"], env=tenv, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    worker = subprocess.Popen(
+        [OVERNIGHT, "worker", "--burst"],
+        env=tenv,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     argvs: set[str] = set()
     step_envs: set[str] = set()
     while worker.poll() is None:
@@ -302,8 +379,13 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
         f"redis://:{wrong}@127.0.0.1:{free_port()}/0",
         f"redis://user:{wrong}@127.0.0.1:notaport/0",
     ):
-        for args in (["envelope", "status"], ["supervise", "--", "true"], ["status"],
-                     ["reaper", "--once"], ["config"]):  # fmt: skip
+        for args in (
+            ["envelope", "status"],
+            ["supervise", "--", "true"],
+            ["status"],
+            ["reaper", "--once"],
+            ["config"],
+        ):
             proc = run({**tenv, "OVERNIGHT_REDIS_URL": bad_url}, *args)
             assert proc.returncode in (0, 69, 78, 1), (args, proc.stderr)
             assert wrong not in proc.stdout + proc.stderr, (args, proc.stderr)

@@ -52,8 +52,19 @@ def test_up_in_a_shadowing_folder_ends_as_anywhere(env: dict[str, str], tmp_path
     folder = plant_shadows(tmp_path / "here")
     tasks = tmp_path / "tasks"
     shadowed_tasks(tasks)
-    proc = run(env, folder, "up", "--tasks", str(tasks), "--budget", "20", "--exit-when-done",
-               "--state-dir", str(tmp_path / "state"), timeout=120)  # fmt: skip
+    proc = run(
+        env,
+        folder,
+        "up",
+        "--tasks",
+        str(tasks),
+        "--budget",
+        "20",
+        "--exit-when-done",
+        "--state-dir",
+        str(tmp_path / "state"),
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "shadowed:" not in out
@@ -74,8 +85,14 @@ def test_worker_with_reaper_in_a_shadowing_folder_ends_as_anywhere(
     # The step waits for the test to see the worker's reaper, so the burst cannot end first.
     waits = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)\n"
     waits += "open('ok.txt', 'w').close()"
-    path = task_file(tasks, "under-reaper", [PY, "-c", waits], [["test", "-f", "ok.txt"]],
-                     max_calls=4, heartbeat_gap=60)  # fmt: skip
+    path = task_file(
+        tasks,
+        "under-reaper",
+        [PY, "-c", waits],
+        [["test", "-f", "ok.txt"]],
+        max_calls=4,
+        heartbeat_gap=60,
+    )
     plant_shadows(tasks / path.stem)
     tenv = {**env, "OVERNIGHT_QUEUE": namespace}
     assert run(tenv, folder, "envelope", "reset", "10").returncode == 0

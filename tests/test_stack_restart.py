@@ -17,14 +17,19 @@ def test_a_dead_member_is_restarted_then_given_up_on(tmp_path: Path) -> None:
         lines: list[str] = []
         pids = {first.pid}
         for _ in range(MAX_RESTARTS + 1):
-            wait_for(lambda: stack.procs[[n for n, _ in stack.procs].index("worker-1")][1]
-                     .poll() is not None, timeout=10)  # fmt: skip
+            wait_for(
+                lambda: (
+                    stack.procs[[n for n, _ in stack.procs].index("worker-1")][1].poll() is not None
+                ),
+                timeout=10,
+            )
             got = stack.restart_dead()
             assert len(got) == 1, got
             lines += got
             pids |= {p.pid for n, p in stack.procs if n == "worker-1"}
-        assert all("worker-1 exited (code 3); restarted as pid" in line
-                   for line in lines[:MAX_RESTARTS])  # fmt: skip
+        assert all(
+            "worker-1 exited (code 3); restarted as pid" in line for line in lines[:MAX_RESTARTS]
+        )
         assert "not restarted again" in lines[-1]
         assert len(pids) == MAX_RESTARTS + 1
         assert stack.restart_dead() == []  # given up: said once

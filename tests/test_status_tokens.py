@@ -18,8 +18,9 @@ from tests.helpers import OVERNIGHT, task_file
 
 
 def _call(rid: str, task: str | None, inp: Any, out: Any, kind: str = "model_call") -> Receipt:
-    return Receipt(id=rid, kind=kind, task_id=task,
-                   data={"input_tokens": inp, "output_tokens": out})  # fmt: skip
+    return Receipt(
+        id=rid, kind=kind, task_id=task, data={"input_tokens": inp, "output_tokens": out}
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,18 +47,29 @@ def test_ledger_tokens_counts_a_tasks_own_calls_since_it_was_submitted(
 
 def test_token_fields_follow_max_calls() -> None:
     status = {"id": "t", "calls_used": 2, "max_calls": 5, "envelope": "default"}
-    tokens: dict[str, int | None] = {"tokens_used": 18, "input_tokens": 11, "output_tokens": 7,
-                                     "max_tokens": None}  # fmt: skip
+    tokens: dict[str, int | None] = {
+        "tokens_used": 18,
+        "input_tokens": 11,
+        "output_tokens": 7,
+        "max_tokens": None,
+    }
     assert list(with_tokens(status, tokens)) == [
-        "id", "calls_used", "max_calls", "tokens_used", "input_tokens", "output_tokens",
-        "max_tokens", "envelope",
-    ]  # fmt: skip
+        "id",
+        "calls_used",
+        "max_calls",
+        "tokens_used",
+        "input_tokens",
+        "output_tokens",
+        "max_tokens",
+        "envelope",
+    ]
     assert list(with_tokens({"id": "t"}, tokens))[-1] == "max_tokens"
 
 
 def _cli(env: dict[str, str], *args: str) -> Any:
-    done = subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -67,20 +79,49 @@ def test_status_shows_the_tokens_the_gateway_charged(
 ) -> None:
     keys = Keys(namespace)
     # A model_call of an earlier task with the same id: not this one's.
-    r.xadd(keys.receipts, {"kind": "model_call", "data": json.dumps(
-        {"task_id": "metered", "data": {"input_tokens": 500, "output_tokens": 500}})},
-        id="1000-0")  # fmt: skip
+    r.xadd(
+        keys.receipts,
+        {
+            "kind": "model_call",
+            "data": json.dumps(
+                {"task_id": "metered", "data": {"input_tokens": 500, "output_tokens": 500}}
+            ),
+        },
+        id="1000-0",
+    )
     env = {**env, "OVERNIGHT_QUEUE": namespace}
     metered = task_file(tmp_path, "metered", ["true"], [["true"]], max_tokens=5000)
     plain = task_file(tmp_path, "plain", ["true"], [["true"]])
-    subprocess.run([OVERNIGHT, "submit", str(metered), str(plain)], env=env, check=True,
-                   capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [OVERNIGHT, "submit", str(metered), str(plain)],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     # What the gateway's commit writes for two answered requests (one estimated: no usage).
     r.hincrby(keys.task("metered"), "tokens_used", 18 + 40)
-    emit(r, keys, "model_call", task_id="metered", lease_id="l1", input_tokens=11,
-         output_tokens=7, tokens=18)  # fmt: skip
-    emit(r, keys, "model_call", task_id="metered", lease_id="l1", input_tokens=0,
-         output_tokens=0, tokens=40, estimated=True)  # fmt: skip
+    emit(
+        r,
+        keys,
+        "model_call",
+        task_id="metered",
+        lease_id="l1",
+        input_tokens=11,
+        output_tokens=7,
+        tokens=18,
+    )
+    emit(
+        r,
+        keys,
+        "model_call",
+        task_id="metered",
+        lease_id="l1",
+        input_tokens=0,
+        output_tokens=0,
+        tokens=40,
+        estimated=True,
+    )
     emit(r, keys, "model_call", task_id="other", lease_id="l2", input_tokens=3, output_tokens=3)
 
     one = _cli(env, "status", "metered")
@@ -91,5 +132,8 @@ def test_status_shows_the_tokens_the_gateway_charged(
     listed = {row["id"]: row for row in _cli(env, "status")}
     assert {k: listed["metered"][k] for k in want} == want
     assert {k: listed["plain"][k] for k in want} == {
-        "tokens_used": 0, "input_tokens": 0, "output_tokens": 0, "max_tokens": None
-    }  # fmt: skip
+        "tokens_used": 0,
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "max_tokens": None,
+    }

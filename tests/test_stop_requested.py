@@ -73,8 +73,10 @@ def test_a_stop_between_steps_keeps_the_checkpoint() -> None:
     assert nxt.state == QUEUED and nxt.checkpoint == cp
     [event] = nxt.events
     assert event.kind == stop.TASK_STOPPED and event.data["signal"] == signal.SIGTERM
-    assert nxt.detail == "overnight was stopped (SIGTERM); resumes at turn 2 (tests) " \
-                         "once a worker takes the task up"  # fmt: skip
+    assert (
+        nxt.detail == "overnight was stopped (SIGTERM); resumes at turn 2 (tests) "
+        "once a worker takes the task up"
+    )
 
 
 @pytest.mark.parametrize(
@@ -158,8 +160,9 @@ def test_loop_requeues_a_stopped_step_and_reruns_it_uncharged(
         asked.append(signal.SIGTERM)  # the horse got SIGTERM while the step ran
         return outcome("supervisor-signal-15")
 
-    config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "prompts",
-                        stop_asked=lambda: asked[0] if asked else None)  # fmt: skip
+    config = LoopConfig(
+        claim_ttl=5, prompt_dir=tmp_path / "prompts", stop_asked=lambda: asked[0] if asked else None
+    )
     seen: set[str] = set()
 
     def budget(name: str, kind: str, request_id: str) -> None:

@@ -71,22 +71,29 @@ def rq_conn(env: dict[str, str]) -> Iterator[redis.Redis]:
 
 
 def cli(tenv: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=tenv, capture_output=True, text=True,
-                          timeout=45, check=False)  # fmt: skip
+    return subprocess.run(
+        [OVERNIGHT, *args], env=tenv, capture_output=True, text=True, timeout=45, check=False
+    )
 
 
 def prepare(tenv: dict[str, str], tmp_path: Path, name: str, *agent_args: str) -> Path:
     assert cli(tenv, "envelope", "reset", "20").returncode == 0
-    return task_file(tmp_path, name, [PY, "-c", AGENT, *agent_args],
-                     [["test", "-f", "ok.txt"]], on_unknown="pause")  # fmt: skip
+    return task_file(
+        tmp_path,
+        name,
+        [PY, "-c", AGENT, *agent_args],
+        [["test", "-f", "ok.txt"]],
+        on_unknown="pause",
+    )
 
 
 def start_worker(
     tenv: dict[str, str], name: str, log: Path, started: list[subprocess.Popen[bytes]]
 ) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        proc = subprocess.Popen([OVERNIGHT, "worker", "--name", name], env=tenv,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [OVERNIGHT, "worker", "--name", name], env=tenv, stdout=out, stderr=subprocess.STDOUT
+        )
     started.append(proc)
     return proc
 
@@ -104,9 +111,13 @@ def record(r: redis.Redis, namespace: str, task_id: str) -> TaskRecord:
 
 
 def assert_stopped(
-    r: redis.Redis, rq_conn: redis.Redis, namespace: str, task_id: str, pids: list[int],
+    r: redis.Redis,
+    rq_conn: redis.Redis,
+    namespace: str,
+    task_id: str,
+    pids: list[int],
     gone_workers: list[str],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The task is queued from its checkpoint, the stop is on record, the lease ended, the
     tree gone, the RQ workers unregistered; returns the stopped step's receipt data."""
     keys = Keys(namespace)
@@ -134,9 +145,12 @@ def assert_stopped(
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_warm_stop_of_a_worker_requeues_the_step_which_runs_again_after_a_restart(
-    tenv: dict[str, str], tmp_path: Path, started: list[subprocess.Popen[bytes]],
-    r: redis.Redis, rq_conn: redis.Redis,
-) -> None:  # fmt: skip
+    tenv: dict[str, str],
+    tmp_path: Path,
+    started: list[subprocess.Popen[bytes]],
+    r: redis.Redis,
+    rq_conn: redis.Redis,
+) -> None:
     namespace = tenv["OVERNIGHT_NAMESPACE"]
     logs = tmp_path / "state" / "task-logs" / namespace
     tenv = {**tenv, "OVERNIGHT_STATE_DIR": str(tmp_path / "state")}
@@ -179,9 +193,12 @@ def test_warm_stop_of_a_worker_requeues_the_step_which_runs_again_after_a_restar
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_forced_stop_of_a_worker_skips_the_grace_and_still_records_the_stop(
-    tenv: dict[str, str], tmp_path: Path, started: list[subprocess.Popen[bytes]],
-    r: redis.Redis, rq_conn: redis.Redis,
-) -> None:  # fmt: skip
+    tenv: dict[str, str],
+    tmp_path: Path,
+    started: list[subprocess.Popen[bytes]],
+    r: redis.Redis,
+    rq_conn: redis.Redis,
+) -> None:
     # A step that ignores SIGTERM and a grace of ten minutes: only the forced stop ends it.
     tenv = {**tenv, "OVERNIGHT_GRACE": "600"}
     namespace = tenv["OVERNIGHT_NAMESPACE"]
@@ -210,19 +227,34 @@ def test_forced_stop_of_a_worker_skips_the_grace_and_still_records_the_stop(
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigterm_to_up_mid_step_requeues_the_task(
-    env: dict[str, str], tmp_path: Path, started: list[subprocess.Popen[bytes]],
-    r: redis.Redis, rq_conn: redis.Redis,
-) -> None:  # fmt: skip
+    env: dict[str, str],
+    tmp_path: Path,
+    started: list[subprocess.Popen[bytes]],
+    r: redis.Redis,
+    rq_conn: redis.Redis,
+) -> None:
     namespace = env["OVERNIGHT_NAMESPACE"]
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     task_file(tasks, "upstop", [PY, "-c", AGENT], [["test", "-f", "ok.txt"]], on_unknown="pause")
     up = subprocess.Popen(
-        [OVERNIGHT, "up", "--tasks", str(tasks), "--budget", "20", "--workers", "1",
-         "--state-dir", str(tmp_path / "state")],
-        env={**env, "OVERNIGHT_GRACE": "0.5"}, cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "up",
+            "--tasks",
+            str(tasks),
+            "--budget",
+            "20",
+            "--workers",
+            "1",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        env={**env, "OVERNIGHT_GRACE": "0.5"},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     started.append(up)
     pids = step_tree(tasks / "upstop")
     try:

@@ -58,8 +58,12 @@ def test_child_env_and_stdin(env: dict[str, str], namespace: str, tmp_path: Path
     assert seen["OVERNIGHT_LEASE_ID"] == doc["lease_id"]
     assert os.path.isabs(seen["OVERNIGHT_BEAT_SOCKET"])
     assert (seen["LANG"], seen["MINE"], seen["SET"]) == ("C.UTF-8", "from-here", "1")
-    for name in ("OVERNIGHT_LEASE_TOKEN", "OVERNIGHT_REDIS_URL", "OVERNIGHT_NAMESPACE",
-                 "SOMETHING_ELSE"):  # fmt: skip
+    for name in (
+        "OVERNIGHT_LEASE_TOKEN",
+        "OVERNIGHT_REDIS_URL",
+        "OVERNIGHT_NAMESPACE",
+        "SOMETHING_ELSE",
+    ):
         assert name not in seen
     assert seen["TMPDIR"] == os.path.join(seen["HOME"], "tmp")
     assert seen["HOME"] != os.environ.get("HOME") and not os.path.exists(seen["HOME"])
@@ -70,8 +74,13 @@ def test_child_env_and_stdin(env: dict[str, str], namespace: str, tmp_path: Path
 
 @pytest.mark.parametrize("item", ["OVERNIGHT_REDIS_URL", "X_API_KEY=1", "HOME=/", "REDISCLI_AUTH"])
 def test_env_option_refuses_credentials_and_reserved_names(env: dict[str, str], item: str) -> None:
-    proc = subprocess.run([OVERNIGHT, "supervise", "--env", item, "--", "true"], env=env,
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--env", item, "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 64 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
@@ -84,8 +93,9 @@ def test_child_exit_is_noticed_at_once(env: dict[str, str]) -> None:
 def test_hang_without_output_dies_by_gap(env: dict[str, str], tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     t = time.monotonic()
-    code, doc, _ = supervise(["--gap", "1", "--grace", "1", "--", "sh", "-c",
-                              f"echo $$ > {pids}; exec sleep 120"], env)  # fmt: skip
+    code, doc, _ = supervise(
+        ["--gap", "1", "--grace", "1", "--", "sh", "-c", f"echo $$ > {pids}; exec sleep 120"], env
+    )
     took = time.monotonic() - t
     assert code == 3
     assert doc["status"] == "killed" and doc["note"].startswith("heartbeat-gap-")
@@ -112,8 +122,9 @@ def test_output_beats_keep_a_chatty_child_until_the_deadline(
 
 def test_no_output_beats_lets_a_chatty_child_die_by_gap(env: dict[str, str]) -> None:
     chatty = "while true; do echo tick; sleep 0.1; done"
-    code, doc, _ = supervise(["--gap", "1", "--deadline", "20", "--no-output-beats", "--",
-                              "sh", "-c", chatty], env)  # fmt: skip
+    code, doc, _ = supervise(
+        ["--gap", "1", "--deadline", "20", "--no-output-beats", "--", "sh", "-c", chatty], env
+    )
     assert code == 3 and doc["note"].startswith("heartbeat-gap-")
 
 
@@ -124,8 +135,9 @@ def test_beat_while_alive_keeps_sleep_alive(env: dict[str, str]) -> None:
 
 
 def test_beat_while_alive_is_still_bounded_by_the_deadline(env: dict[str, str]) -> None:
-    code, doc, _ = supervise(["--gap", "1", "--deadline", "2", "--beat-while-alive", "--",
-                              "sleep", "60"], env)  # fmt: skip
+    code, doc, _ = supervise(
+        ["--gap", "1", "--deadline", "2", "--beat-while-alive", "--", "sleep", "60"], env
+    )
     assert code == 2 and doc["status"] == "expired"
 
 
@@ -219,8 +231,9 @@ def test_early_sigterm_is_still_forwarded(env: dict[str, str], tmp_path: Path) -
 
 def test_lease_file_mirrors_the_document(env: dict[str, str], tmp_path: Path) -> None:
     path = tmp_path / "lease.json"
-    proc = start(["--gap", "1", "--beat-while-alive", "--lease-file", str(path), "--",
-                  "sleep", "1.5"], env)  # fmt: skip
+    proc = start(
+        ["--gap", "1", "--beat-while-alive", "--lease-file", str(path), "--", "sleep", "1.5"], env
+    )
 
     def running() -> dict[str, Any] | None:
         try:
@@ -241,8 +254,13 @@ def test_lease_file_mirrors_the_document(env: dict[str, str], tmp_path: Path) ->
 def test_existing_lease_id_is_refused(env: dict[str, str]) -> None:
     code, doc, _ = supervise(["--lease-id", "fixed-1", "--", "true"], env)
     assert code == 0 and doc["lease_id"] == "fixed-1"
-    proc = subprocess.run([OVERNIGHT, "supervise", "--lease-id", "fixed-1", "--", "true"],
-                          env=env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--lease-id", "fixed-1", "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert "exists" in proc.stderr
@@ -298,8 +316,9 @@ def test_redis_unreachable_at_start_exits_69(env: dict[str, str]) -> None:
     from overnight.coordinator.night.embedded_redis import free_port
 
     env = {**env, "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
-    proc = subprocess.run([OVERNIGHT, "supervise", "--", "true"], env=env,
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--", "true"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 69
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
@@ -320,48 +339,78 @@ def test_redis_unreachable_at_start_exits_69(env: dict[str, str]) -> None:
     ],
 )
 def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
-    proc = subprocess.run([OVERNIGHT, "supervise", *args], env=env, capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", *args], env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 64, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 def test_bad_configuration_exits_78(env: dict[str, str]) -> None:
-    for var, value in [("OVERNIGHT_HEARTBEAT_GAP", "-3"), ("OVERNIGHT_REDIS_URL", "http://x"),
-                       ("OVERNIGHT_MODEL_URL", "ftp://x")]:  # fmt: skip
-        proc = subprocess.run([OVERNIGHT, "supervise", "--", "true"], env={**env, var: value},
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    for var, value in [
+        ("OVERNIGHT_HEARTBEAT_GAP", "-3"),
+        ("OVERNIGHT_REDIS_URL", "http://x"),
+        ("OVERNIGHT_MODEL_URL", "ftp://x"),
+    ]:
+        proc = subprocess.run(
+            [OVERNIGHT, "supervise", "--", "true"],
+            env={**env, var: value},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert proc.returncode == 78, (var, proc.stderr)
         assert var.removeprefix("OVERNIGHT_") in proc.stderr or var in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
         # `beat` reads no settings at all: outside a lease it is exit 64 whatever they say.
-        beat = subprocess.run([OVERNIGHT, "beat"], env={**env, var: value},
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        beat = subprocess.run(
+            [OVERNIGHT, "beat"], env={**env, var: value}, capture_output=True, text=True, timeout=30
+        )
         assert beat.returncode == 64, beat.stderr
 
 
 def test_help_explains(env: dict[str, str]) -> None:
     for cmd in (["supervise"], ["beat"], ["lease"], ["lease", "show"], ["lease", "list"]):
-        proc = subprocess.run([OVERNIGHT, *cmd, "--help"], env=env, capture_output=True,
-                              text=True, timeout=30)  # fmt: skip
+        proc = subprocess.run(
+            [OVERNIGHT, *cmd, "--help"], env=env, capture_output=True, text=True, timeout=30
+        )
         assert proc.returncode == 0 and "Usage:" in proc.stdout
-    text = subprocess.run([OVERNIGHT, "supervise", "--help"], env=env, capture_output=True,
-                          text=True, timeout=30).stdout  # fmt: skip
-    for option in ("--deadline", "--gap", "--grace", "--lease-id", "--lease-file", "--quiet",
-                   "--no-output-beats", "--beat-while-alive", "--env"):  # fmt: skip
+    text = subprocess.run(
+        [OVERNIGHT, "supervise", "--help"], env=env, capture_output=True, text=True, timeout=30
+    ).stdout
+    for option in (
+        "--deadline",
+        "--gap",
+        "--grace",
+        "--lease-id",
+        "--lease-file",
+        "--quiet",
+        "--no-output-beats",
+        "--beat-while-alive",
+        "--env",
+    ):
         assert option in text
 
 
 def test_quiet_prints_only_the_child_output(env: dict[str, str]) -> None:
-    proc = subprocess.run([OVERNIGHT, "supervise", "--quiet", "--", "echo", "only"], env=env,
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--quiet", "--", "echo", "only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0 and proc.stdout == "only\n"
 
 
 def test_stdout_and_stderr_stay_apart(env: dict[str, str]) -> None:
-    proc = subprocess.run([OVERNIGHT, "supervise", "--quiet", "--", "sh", "-c",
-                           "echo out; echo err >&2"], env=env, capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--quiet", "--", "sh", "-c", "echo out; echo err >&2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.stdout == "out\n" and proc.stderr == "err\n"
 
 

@@ -34,10 +34,17 @@ def test_on_output_gets_every_line_and_receipts_carry_the_task(
 ) -> None:
     lines: list[bytes] = []
     spec = StepSpec(
-        argv=[PY, "-c", "import sys; print('one'); print('two', file=sys.stderr); "
-                        "sys.stdout.write('tail')"],
-        gap=2, deadline=30, grace=1, task_id="task-7", env={"EXTRA": "1"},
-    )  # fmt: skip
+        argv=[
+            PY,
+            "-c",
+            "import sys; print('one'); print('two', file=sys.stderr); sys.stdout.write('tail')",
+        ],
+        gap=2,
+        deadline=30,
+        grace=1,
+        task_id="task-7",
+        env={"EXTRA": "1"},
+    )
     result = run_supervised(r, Keys(namespace), spec, on_output=lines.append)
     assert isinstance(result, SupervisedResult) and isinstance(result.doc, LeaseDoc)
     assert result.exit_code == 0 and result.returncode == 0 and result.ended_here
@@ -63,14 +70,20 @@ def test_the_child_env_gets_extra_variables_and_no_credential(
 ) -> None:
     monkeypatch.setenv("OVERNIGHT_MODEL_API_KEY", "sk-never-here")
     lines: list[bytes] = []
-    spec = StepSpec(argv=["sh", "-c", "echo $EXTRA; env"], env={"EXTRA": "x1", "X_API_KEY": "k"},
-                    task_id="t-1")  # fmt: skip
+    spec = StepSpec(
+        argv=["sh", "-c", "echo $EXTRA; env"], env={"EXTRA": "x1", "X_API_KEY": "k"}, task_id="t-1"
+    )
     result = run_supervised(r, Keys(namespace), spec, on_output=lines.append)
     assert result.exit_code == 0 and lines[0] == b"x1\n"
     names = {line.split(b"=", 1)[0].decode() for line in lines[1:]}
     assert {"OVERNIGHT_LEASE_ID", "OVERNIGHT_BEAT_SOCKET", "OVERNIGHT_TASK_ID", "HOME"} <= names
-    assert not names & {"OVERNIGHT_REDIS_URL", "OVERNIGHT_NAMESPACE", "OVERNIGHT_LEASE_TOKEN",
-                        "OVERNIGHT_MODEL_API_KEY", "X_API_KEY"}  # fmt: skip
+    assert not names & {
+        "OVERNIGHT_REDIS_URL",
+        "OVERNIGHT_NAMESPACE",
+        "OVERNIGHT_LEASE_TOKEN",
+        "OVERNIGHT_MODEL_API_KEY",
+        "X_API_KEY",
+    }
     assert b"sk-never-here" not in b"".join(lines)
 
 
@@ -80,8 +93,10 @@ def test_a_hang_in_process_is_killed_and_reaped(
     pids = tmp_path / "pids"
     spec = StepSpec(
         argv=["sh", "-c", f"echo $$ > {pids}; sleep 120 & echo $! >> {pids}; wait"],
-        gap=1, deadline=30, grace=0.5,
-    )  # fmt: skip
+        gap=1,
+        deadline=30,
+        grace=0.5,
+    )
     t = time.monotonic()
     result = run_supervised(r, Keys(namespace), spec, on_output=lambda line: None)
     assert result.exit_code == 3 and result.doc.note.startswith("heartbeat-gap-")
@@ -176,9 +191,11 @@ def test_url_of_rebuilds_the_connection(redis_server: EmbeddedRedis) -> None:
 
 
 def test_a_survivor_is_logged_loudly_and_recorded_in_a_receipt(
-    r: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch,
+    r: redis.Redis,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     # No process resists SIGKILL on demand: the tree's end reports one that did.
     real = tree.end_tree
 

@@ -33,7 +33,11 @@ def test_child_endings(exited: bool, status: int, row: tuple[str, str, int]) -> 
 def test_supervisor_signal_is_forwarded_first_and_exits_128_plus_s() -> None:
     o = outcome.by_signal(signal.SIGINT)
     assert (o.status, o.note, o.exit_code, o.first_signal) == (
-        "killed", "supervisor-signal-2", 130, signal.SIGINT)  # fmt: skip
+        "killed",
+        "supervisor-signal-2",
+        130,
+        signal.SIGINT,
+    )
 
 
 def test_lapses_expire_or_kill() -> None:
@@ -46,7 +50,10 @@ def test_lapses_expire_or_kill() -> None:
 
 def test_lost_elsewhere_and_unstartable() -> None:
     assert (outcome.lost().note, outcome.lost().exit_code, outcome.lost().lost) == (
-        "lease-lost", 4, True)  # fmt: skip
+        "lease-lost",
+        4,
+        True,
+    )
     elsewhere = outcome.ended_elsewhere("expired")
     assert not elsewhere.write and elsewhere.note == "ended-elsewhere:expired"
     assert outcome.not_started(FileNotFoundError()).exit_code == 127
@@ -167,20 +174,62 @@ def drive(
 @pytest.mark.parametrize(
     ("case", "gap", "deadline", "kw", "drive_kw", "row", "at"),
     [
-        ("chatty, deadline pushed", 1.0, 3.0, {"pushed": True}, {"output_every": 0.1},
-         ("expired", "budget-exceeded", 2), 3.0),
-        ("silent, key pushed", 1.0, 30.0, {"pushed": True}, {"output_every": None},
-         ("killed", "heartbeat-gap-1.0s", 3), 1.0),
-        ("alive counts, deadline pushed", 1.0, 2.5, {"pushed": True},
-         {"output_every": None, "beat_while_alive": True}, ("expired", "budget-exceeded", 2), 2.5),
-        ("chatty, nothing pushed", 1.0, 2.0, {}, {"output_every": 0.1},
-         ("expired", "budget-exceeded", 2), 2.0),
-        ("chatty, Redis cuts it short", 1.0, 30.0, {"cut_at": 1.2}, {"output_every": 0.1},
-         ("killed", "heartbeat-gap-1.0s", 3), 1.2),
-        ("beats written to Redis are not progress", 1.0, 30.0, {"child_beats": (0.5, 1.2, 1.9)},
-         {"output_every": None}, ("killed", "heartbeat-gap-1.0s", 3), 1.0),
+        (
+            "chatty, deadline pushed",
+            1.0,
+            3.0,
+            {"pushed": True},
+            {"output_every": 0.1},
+            ("expired", "budget-exceeded", 2),
+            3.0,
+        ),
+        (
+            "silent, key pushed",
+            1.0,
+            30.0,
+            {"pushed": True},
+            {"output_every": None},
+            ("killed", "heartbeat-gap-1.0s", 3),
+            1.0,
+        ),
+        (
+            "alive counts, deadline pushed",
+            1.0,
+            2.5,
+            {"pushed": True},
+            {"output_every": None, "beat_while_alive": True},
+            ("expired", "budget-exceeded", 2),
+            2.5,
+        ),
+        (
+            "chatty, nothing pushed",
+            1.0,
+            2.0,
+            {},
+            {"output_every": 0.1},
+            ("expired", "budget-exceeded", 2),
+            2.0,
+        ),
+        (
+            "chatty, Redis cuts it short",
+            1.0,
+            30.0,
+            {"cut_at": 1.2},
+            {"output_every": 0.1},
+            ("killed", "heartbeat-gap-1.0s", 3),
+            1.2,
+        ),
+        (
+            "beats written to Redis are not progress",
+            1.0,
+            30.0,
+            {"child_beats": (0.5, 1.2, 1.9)},
+            {"output_every": None},
+            ("killed", "heartbeat-gap-1.0s", 3),
+            1.0,
+        ),
     ],
-)  # fmt: skip
+)
 def test_keeper_limits_run_on_its_own_clock(
     case: str,
     gap: float,
@@ -211,8 +260,16 @@ def test_keeper_limits_run_on_its_own_clock(
 def test_local_lapse(now: float, last_seen: float, alive: bool, reason: str | None) -> None:
     clock = Clock()
     fake = FakeLeases(clock, 1.0, 10.0)
-    keeper = Keeper(fake, fake.doc, gap=1.0, deadline=10.0, beat_while_alive=alive,  # type: ignore[arg-type]
-                    host="h", now=0.0, clock=clock)  # fmt: skip
+    keeper = Keeper(
+        fake,
+        fake.doc,
+        gap=1.0,
+        deadline=10.0,
+        beat_while_alive=alive,  # type: ignore[arg-type]
+        host="h",
+        now=0.0,
+        clock=clock,
+    )
     keeper.last_seen = last_seen
     assert keeper.local_lapse(now) == reason
 
@@ -230,9 +287,16 @@ def run_lines(
 ) -> tuple[outcome.Outcome, float, Keeper]:
     """The poll loop with output lines at the given local times; after each step, the
     liveness key must still exist while the keeper lets the step run."""
-    keeper = Keeper(fake, dataclasses.replace(fake.doc), gap=fake.gap,  # type: ignore[arg-type]
-                    deadline=fake.doc.budget_sec, beat_while_alive=alive, host="h", now=0.0,
-                    clock=clock)  # fmt: skip
+    keeper = Keeper(
+        fake,
+        dataclasses.replace(fake.doc),
+        gap=fake.gap,  # type: ignore[arg-type]
+        deadline=fake.doc.budget_sec,
+        beat_while_alive=alive,
+        host="h",
+        now=0.0,
+        clock=clock,
+    )
     todo = sorted(lines)
     while clock.t < limit:
         wake = keeper.next_wake()
@@ -256,31 +320,103 @@ def _every(step: float, until: float, start: float = 0.0) -> list[float]:
     ("case", "gap", "deadline", "lines", "alive", "fail_at", "row", "at", "renewed"),
     [
         # A line every 0.5 s: renewed every gap/3 (was every 0.25 s), ended by the deadline.
-        ("chatty", 30.0, 60.0, _every(0.5, 100), False, (),
-         ("expired", "budget-exceeded", 2), 60.0, [10.0, 20.0, 30.0, 40.0, 50.0]),
+        (
+            "chatty",
+            30.0,
+            60.0,
+            _every(0.5, 100),
+            False,
+            (),
+            ("expired", "budget-exceeded", 2),
+            60.0,
+            [10.0, 20.0, 30.0, 40.0, 50.0],
+        ),
         # The gap is still judged from the last line, to the line: 20.5 + 30.
-        ("chatty, then silent", 30.0, 300.0, _every(0.5, 20.5), False, (),
-         ("killed", "heartbeat-gap-30.0s", 3), 50.5, [10.0, 20.0, 30.0]),
+        (
+            "chatty, then silent",
+            30.0,
+            300.0,
+            _every(0.5, 20.5),
+            False,
+            (),
+            ("killed", "heartbeat-gap-30.0s", 3),
+            50.5,
+            [10.0, 20.0, 30.0],
+        ),
         # Silent for most of the gap, then one line: renewed at that line, at once.
-        ("a late line", 30.0, 300.0, [29.0], False, (),
-         ("killed", "heartbeat-gap-30.0s", 3), 59.0, [29.0]),
+        (
+            "a late line",
+            30.0,
+            300.0,
+            [29.0],
+            False,
+            (),
+            ("killed", "heartbeat-gap-30.0s", 3),
+            59.0,
+            [29.0],
+        ),
         # Lines rarer than gap/3: each renewed as it comes.
-        ("sparse lines", 30.0, 300.0, [15.0, 35.0, 55.0], False, (),
-         ("killed", "heartbeat-gap-30.0s", 3), 85.0, [15.0, 35.0, 55.0]),
+        (
+            "sparse lines",
+            30.0,
+            300.0,
+            [15.0, 35.0, 55.0],
+            False,
+            (),
+            ("killed", "heartbeat-gap-30.0s", 3),
+            85.0,
+            [15.0, 35.0, 55.0],
+        ),
         # A renewal lost to an outage is retried within retry_interval, long before the lapse.
-        ("a failed renewal", 30.0, 60.0, _every(0.5, 100), False, (1,),
-         ("expired", "budget-exceeded", 2), 60.0, [10.0, 20.1, 30.1, 40.1, 50.1]),
+        (
+            "a failed renewal",
+            30.0,
+            60.0,
+            _every(0.5, 100),
+            False,
+            (1,),
+            ("expired", "budget-exceeded", 2),
+            60.0,
+            [10.0, 20.1, 30.1, 40.1, 50.1],
+        ),
         # --beat-while-alive: renewed every gap/3 with no line at all.
-        ("alive counts", 30.0, 45.0, [], True, (),
-         ("expired", "budget-exceeded", 2), 45.0, [10.0, 20.0, 30.0, 40.0]),
+        (
+            "alive counts",
+            30.0,
+            45.0,
+            [],
+            True,
+            (),
+            ("expired", "budget-exceeded", 2),
+            45.0,
+            [10.0, 20.0, 30.0, 40.0],
+        ),
         # A short gap: renewed so that a failed renewal still leaves (gap - io budget)/2
         # before the cut-off: gap 3 s, io budget 2.25 s, every 0.375 s.
-        ("short gap", 3.0, 1.0, _every(0.05, 10), False, (),
-         ("expired", "budget-exceeded", 2), 1.0, [0.375, 0.75]),
-        ("short gap, a failed renewal", 3.0, 3.0, _every(0.05, 10), False, (0,),
-         ("expired", "budget-exceeded", 2), 3.0, _every(0.375, 2.8, start=0.1)),
+        (
+            "short gap",
+            3.0,
+            1.0,
+            _every(0.05, 10),
+            False,
+            (),
+            ("expired", "budget-exceeded", 2),
+            1.0,
+            [0.375, 0.75],
+        ),
+        (
+            "short gap, a failed renewal",
+            3.0,
+            3.0,
+            _every(0.05, 10),
+            False,
+            (0,),
+            ("expired", "budget-exceeded", 2),
+            3.0,
+            _every(0.375, 2.8, start=0.1),
+        ),
     ],
-)  # fmt: skip
+)
 def test_keeper_renews_every_third_of_the_gap(
     case: str,
     gap: float,

@@ -94,13 +94,32 @@ def escapes(tmp_path: Path) -> Path:
 
 
 def _run_and_kill(
-    env: dict[str, str], escapes: Path, tmp_path: Path, mode: str, count: int,
+    env: dict[str, str],
+    escapes: Path,
+    tmp_path: Path,
+    mode: str,
+    count: int,
     extra: tuple[str, ...] = (),
-) -> tuple[int, dict[str, object], list[int]]:  # fmt: skip
+) -> tuple[int, dict[str, object], list[int]]:
     """Start the escapes script silent under a 1 s gap; return (exit, doc, pids)."""
     pids = tmp_path / "pids"
-    proc = start(["--gap", "1", "--grace", "0.5", "--no-output-beats", *extra, "--",
-                  PY, str(escapes), str(pids), mode, "stay"], env)  # fmt: skip
+    proc = start(
+        [
+            "--gap",
+            "1",
+            "--grace",
+            "0.5",
+            "--no-output-beats",
+            *extra,
+            "--",
+            PY,
+            str(escapes),
+            str(pids),
+            mode,
+            "stay",
+        ],
+        env,
+    )
     try:
         found = read_pids(pids, count)
         assert all(pid_alive(p) for p in found), found
@@ -163,8 +182,9 @@ def test_leftovers_of_a_child_that_exits_are_ended(
     env: dict[str, str], escapes: Path, tmp_path: Path
 ) -> None:
     pids = tmp_path / "pids"
-    code, doc, _ = supervise(["--gap", "10", "--grace", "0.5", "--", PY, str(escapes),
-                              str(pids), "setsid", "exit"], env)  # fmt: skip
+    code, doc, _ = supervise(
+        ["--gap", "10", "--grace", "0.5", "--", PY, str(escapes), str(pids), "setsid", "exit"], env
+    )
     assert code == 0 and doc["status"] == "done"
     assert_all_gone(read_pids(pids, 2), timeout=1)
 
@@ -173,8 +193,10 @@ def test_sigterm_to_supervisor_kills_escapees(
     env: dict[str, str], escapes: Path, tmp_path: Path
 ) -> None:
     pids = tmp_path / "pids"
-    proc = start(["--gap", "10", "--grace", "0.5", "--", PY, str(escapes), str(pids),
-                  "double-fork", "stay"], env)  # fmt: skip
+    proc = start(
+        ["--gap", "10", "--grace", "0.5", "--", PY, str(escapes), str(pids), "double-fork", "stay"],
+        env,
+    )
     found = read_pids(pids, 2)
     assert all(pid_alive(p) for p in found)
     proc.send_signal(signal.SIGTERM)

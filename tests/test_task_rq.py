@@ -328,8 +328,12 @@ def test_rq_info_and_rq_worker_class(
 def test_model_step_in_the_loop(tenv: dict[str, str], tmp_path: Path, mode: str) -> None:
     reset_envelope(tenv, 10)
     with Model(mode) as model:
-        env = {**tenv, "OVERNIGHT_MODEL_URL": model.url, "OVERNIGHT_MODEL_API_KEY": "sk-hidden-1",
-               "OVERNIGHT_MODEL_TIMEOUT": "6"}  # fmt: skip
+        env = {
+            **tenv,
+            "OVERNIGHT_MODEL_URL": model.url,
+            "OVERNIGHT_MODEL_API_KEY": "sk-hidden-1",
+            "OVERNIGHT_MODEL_TIMEOUT": "6",
+        }
         path = task_file(
             tmp_path,
             f"model-{mode}",
@@ -410,9 +414,11 @@ def test_submit_wait_and_receipts_follow(
 ) -> None:
     reset_envelope(tenv, 10)
     follow = subprocess.Popen(
-        [OVERNIGHT, "receipts", "waited", "--follow"], env=tenv, stdout=subprocess.PIPE,
+        [OVERNIGHT, "receipts", "waited", "--follow"],
+        env=tenv,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     workers.append(follow)
     workers.append(
         subprocess.Popen(

@@ -182,8 +182,11 @@ def test_every_step_output_is_kept(r: redis.Redis, namespace: str, tmp_path: Pat
     folder = task_folder(rec, tmp_path / "unused")
     assert folder == tmp_path / "logs" / rec.id
     assert [(t, n) for t, _s, n, _p in step_files(folder)] == [
-        (1, "agent"), (1, "has-ok"), (2, "agent"), (2, "has-ok")
-    ]  # fmt: skip
+        (1, "agent"),
+        (1, "has-ok"),
+        (2, "agent"),
+        (2, "has-ok"),
+    ]
     out = io.StringIO()
     assert print_logs(folder, out, turn=2) == 2
     text = out.getvalue()

@@ -11,9 +11,20 @@ from hypothesis import strategies as st
 from overnight.coordinator.tasks.taskfile import TaskFileError, TaskSpec, load, load_all
 
 KEYS = [
-    "id", "assignment", "workdir", "agent", "max_calls", "lease_seconds", "heartbeat_gap",
-    "deadline", "envelope", "on_unknown", "verifier", "extra", "",
-]  # fmt: skip
+    "id",
+    "assignment",
+    "workdir",
+    "agent",
+    "max_calls",
+    "lease_seconds",
+    "heartbeat_gap",
+    "deadline",
+    "envelope",
+    "on_unknown",
+    "verifier",
+    "extra",
+    "",
+]
 values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda inner: (

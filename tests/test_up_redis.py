@@ -17,10 +17,24 @@ def up(env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     tasks = tmp_path / "tasks"
     tasks.mkdir(exist_ok=True)
     return subprocess.run(
-        [OVERNIGHT, "up", "--tasks", str(tasks), "--workers", "1", "--exit-when-done",
-         "--state-dir", str(tmp_path / "state")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90, check=False,
-    )  # fmt: skip
+        [
+            OVERNIGHT,
+            "up",
+            "--tasks",
+            str(tasks),
+            "--workers",
+            "1",
+            "--exit-when-done",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
 
 
 @pytest.mark.timeout(120)

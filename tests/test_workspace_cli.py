@@ -161,8 +161,11 @@ def test_the_agent_works_as_the_step_user_and_the_rules_run_as_overnight(
     top = Path(tempfile.mkdtemp(prefix="overnight-ws-", dir="/tmp"))
     try:
         os.chmod(top, 0o755)
-        env = {**wenv, "OVERNIGHT_STEP_USER": step_user.name,
-               "OVERNIGHT_STATE_DIR": str(top / "state")}  # fmt: skip
+        env = {
+            **wenv,
+            "OVERNIGHT_STEP_USER": step_user.name,
+            "OVERNIGHT_STATE_DIR": str(top / "state"),
+        }
         env.pop("OVERNIGHT_ALLOW_ROOT_STEPS", None)
         assert cli(env, "envelope", "reset", "20").returncode == 0
         repo = make_repo(top / "repo")

@@ -141,9 +141,15 @@ class Installed:
     wire: Wire
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "program": self.program, "installed": self.path is not None,
-                "path": self.path, "version": self.version, "wire": self.wire,
-                "install": self.install}  # fmt: skip
+        return {
+            "name": self.name,
+            "program": self.program,
+            "installed": self.path is not None,
+            "path": self.path,
+            "version": self.version,
+            "wire": self.wire,
+            "install": self.install,
+        }
 
 
 def installed(
@@ -158,9 +164,14 @@ def installed(
         with tempfile.TemporaryDirectory(prefix="overnight-agents-") as home:
             try:
                 env = {**os.environ, "NO_COLOR": "1", "HOME": home}
-                done = subprocess.run([path, *preset.version_args], capture_output=True,
-                                      stdin=subprocess.DEVNULL, timeout=timeout, check=False,
-                                      env=env)  # fmt: skip
+                done = subprocess.run(
+                    [path, *preset.version_args],
+                    capture_output=True,
+                    stdin=subprocess.DEVNULL,
+                    timeout=timeout,
+                    check=False,
+                    env=env,
+                )
                 text = (done.stdout or done.stderr).decode("utf-8", "replace").strip()
                 version = one_line(text.splitlines()[0] if text else "", 80) or None
             except (OSError, subprocess.TimeoutExpired):

@@ -60,8 +60,16 @@ def model_name(model: str) -> str:
 def launch(ctx: Context) -> Launch:
     model = model_name(ctx.model)
     # The weak model writes commit messages and history summaries: the task's model too.
-    argv = ["aider", *FLAGS, "--model", model, "--weak-model", model,
-            "--message-file", ctx.prompt_file]  # fmt: skip
+    argv = [
+        "aider",
+        *FLAGS,
+        "--model",
+        model,
+        "--weak-model",
+        model,
+        "--message-file",
+        ctx.prompt_file,
+    ]
     return Launch(argv=argv, env=dict(ENV), home_files=dict(HOME_FILES))
 
 

@@ -38,17 +38,32 @@ ENV = {
 
 # Claude Code picks other models by alias for subagents and small jobs; every request asks
 # for the task's model instead, so what the task names is what the gateway sees.
-MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-              "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL",
-              "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
+MODEL_VARS = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "ANTHROPIC_SMALL_FAST_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+)
 
 
 def launch(ctx: Context) -> Launch:
     # The loop keeps the prompt within one argv string (a longer one names its file); "--"
     # lets a prompt start with a dash.
-    argv = ["claude", "-p", "--output-format", "stream-json", "--verbose",
-            "--dangerously-skip-permissions", "--no-session-persistence",
-            "--model", ctx.model, "--", ctx.prompt]  # fmt: skip
+    argv = [
+        "claude",
+        "-p",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--dangerously-skip-permissions",
+        "--no-session-persistence",
+        "--model",
+        ctx.model,
+        "--",
+        ctx.prompt,
+    ]
     env = {**ENV, **dict.fromkeys(MODEL_VARS, ctx.model)}
     return Launch(argv=argv, env=env)
 

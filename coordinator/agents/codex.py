@@ -77,8 +77,7 @@ stream_max_retries = 1
 
 def config_toml(model: str, base_url: str) -> str:
     # A JSON string is a valid TOML basic string.
-    return CONFIG.format(model=json.dumps(model), provider=PROVIDER,
-                         base_url=json.dumps(base_url))  # fmt: skip
+    return CONFIG.format(model=json.dumps(model), provider=PROVIDER, base_url=json.dumps(base_url))
 
 
 def prompt_arg(ctx: Context) -> str:
@@ -89,9 +88,21 @@ def prompt_arg(ctx: Context) -> str:
 
 
 def launch(ctx: Context) -> Launch:
-    argv = ["codex", "exec", "--json", "--strict-config", "--ephemeral",
-            "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-            "--color", "never", "-C", ctx.workdir, "--", prompt_arg(ctx)]  # fmt: skip
+    argv = [
+        "codex",
+        "exec",
+        "--json",
+        "--strict-config",
+        "--ephemeral",
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "--color",
+        "never",
+        "-C",
+        ctx.workdir,
+        "--",
+        prompt_arg(ctx),
+    ]
     base_url = ctx.gateway_url.rstrip("/") + "/v1"
     return Launch(argv=argv, home_files={".codex/config.toml": config_toml(ctx.model, base_url)})
 

@@ -145,8 +145,17 @@ def model_arg(model: str) -> str:
 
 def launch(ctx: Context) -> Launch:
     # ctx.prompt fits one argv string (the loop clips it and names the file past that).
-    argv = ["mini", "--yolo", "--exit-immediately", "--cost-limit", "0",
-            "--model", model_arg(ctx.model), "--task", ctx.prompt]  # fmt: skip
+    argv = [
+        "mini",
+        "--yolo",
+        "--exit-immediately",
+        "--cost-limit",
+        "0",
+        "--model",
+        model_arg(ctx.model),
+        "--task",
+        ctx.prompt,
+    ]
     return Launch(argv=argv, env=dict(ENV), home_files={HOOK_PATH: HOOK})
 
 

@@ -15,10 +15,17 @@ from overnight.config.exits import EXIT_REDIS_DOWN, EXIT_USAGE, CommandError
 
 
 @click.command("gateway")
-@click.option("--host", default=None, help="Address to listen on (default OVERNIGHT_GATEWAY_HOST, "
-              "127.0.0.1: loopback only).")  # fmt: skip
-@click.option("--port", type=click.IntRange(0, 65535), default=None,
-              help="Port (default OVERNIGHT_GATEWAY_PORT, 4680; 0 picks a free one).")  # fmt: skip
+@click.option(
+    "--host",
+    default=None,
+    help="Address to listen on (default OVERNIGHT_GATEWAY_HOST, 127.0.0.1: loopback only).",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port (default OVERNIGHT_GATEWAY_PORT, 4680; 0 picks a free one).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log every request.")
 def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     """Proxy agents' model calls to the configured upstreams, metering each one.
@@ -39,8 +46,11 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     from overnight.worker.supervise import procs
 
     cfg = settings()
-    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     try:
         redis_client().ping()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -50,9 +60,13 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     # A bounded pool that waits for a free connection: 200 requests at once share a few
     # dozen connections instead of failing with "Too many connections".
     pool = aioredis.BlockingConnectionPool.from_url(
-        cfg.redis_url, max_connections=64, timeout=5.0, decode_responses=True,
-        socket_timeout=5.0, socket_connect_timeout=5.0,
-    )  # fmt: skip
+        cfg.redis_url,
+        max_connections=64,
+        timeout=5.0,
+        decode_responses=True,
+        socket_timeout=5.0,
+        socket_connect_timeout=5.0,
+    )
     client = aioredis.Redis(connection_pool=pool)
     bind_host = host or cfg.gateway_host
     bind_port = cfg.gateway_port if port is None else port
@@ -67,9 +81,15 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         try:
-            await gateway.serve(client, cfg.namespace, procs.hostname(),
-                                gateway.config_from(cfg), host=bind_host, port=bind_port,
-                                ready=ready)  # fmt: skip
+            await gateway.serve(
+                client,
+                cfg.namespace,
+                procs.hostname(),
+                gateway.config_from(cfg),
+                host=bind_host,
+                port=bind_port,
+                ready=ready,
+            )
         finally:
             await client.aclose()
 

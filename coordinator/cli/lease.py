@@ -35,8 +35,15 @@ def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
     from overnight.config.context import settings
 
     s = settings()
-    return QuickSettings(s.redis_url, s.namespace, s.heartbeat_gap, s.deadline, s.grace,
-                         s.step_user, s.allow_root_steps)  # fmt: skip
+    return QuickSettings(
+        s.redis_url,
+        s.namespace,
+        s.heartbeat_gap,
+        s.deadline,
+        s.grace,
+        s.step_user,
+        s.allow_root_steps,
+    )
 
 
 def _seconds(name: str, value: float | None, default: float, *, zero_ok: bool = False) -> float:
@@ -155,14 +162,25 @@ def supervise_command(
     beat_while_alive: bool,
     env_items: tuple[str, ...],
     cmd: tuple[str, ...],
-) -> None:  # fmt: skip
+) -> None:
     from overnight.worker.supervise import supervisor
 
     # First, before any slow start-up: a SIGTERM from now on is kept and forwarded.
     catcher = supervisor.SignalCatcher.install()
     try:
-        code = _supervise(catcher, deadline, gap, grace, lease_id, lease_file, quiet,
-                          no_output_beats, beat_while_alive, env_items, list(cmd))  # fmt: skip
+        code = _supervise(
+            catcher,
+            deadline,
+            gap,
+            grace,
+            lease_id,
+            lease_file,
+            quiet,
+            no_output_beats,
+            beat_while_alive,
+            env_items,
+            list(cmd),
+        )
     finally:
         catcher.close()
     raise click.exceptions.Exit(code)
@@ -180,7 +198,7 @@ def _supervise(
     beat_while_alive: bool,
     env_items: tuple[str, ...],
     argv: list[str],
-) -> int:  # fmt: skip
+) -> int:
     from overnight.config.keys import Keys
     from overnight.worker.lease.store import LeaseRefused
     from overnight.worker.sandbox.stepuser import decide
@@ -272,10 +290,18 @@ def lease_show(lease_id: str) -> None:
 
 @lease_group.command("list")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document per line instead.")
-@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True,
-              help="At most this many leases, newest first.")  # fmt: skip
-@click.option("--status", type=click.Choice(["running", "done", "expired", "killed"]),
-              help="Only leases with this status.")  # fmt: skip
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100_000),
+    default=100,
+    show_default=True,
+    help="At most this many leases, newest first.",
+)
+@click.option(
+    "--status",
+    type=click.Choice(["running", "done", "expired", "killed"]),
+    help="Only leases with this status.",
+)
 def lease_list(as_json: bool, limit: int, status: str | None) -> None:
     """List recent leases, newest first, one line per lease.
 
@@ -297,5 +323,7 @@ def lease_list(as_json: bool, limit: int, status: str | None) -> None:
             click.echo(json.dumps(doc.public()))
             continue
         started = datetime.fromtimestamp(doc.started_unix, UTC)
-        click.echo(f"{doc.lease_id} {doc.status} {doc.holder_pid} {doc.host or '-'} "
-                   f"{started:%Y-%m-%dT%H:%M:%SZ} {doc.note}")  # fmt: skip
+        click.echo(
+            f"{doc.lease_id} {doc.status} {doc.holder_pid} {doc.host or '-'} "
+            f"{started:%Y-%m-%dT%H:%M:%SZ} {doc.note}"
+        )

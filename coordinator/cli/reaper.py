@@ -76,8 +76,7 @@ def reaper_command(
         if once:
             client.ping()
         else:
-            retry_transient(client.ping, "reaper start", reaper.log, patience=STARTUP_WAIT,
-                            cap=2.0)  # fmt: skip
+            retry_transient(client.ping, "reaper start", reaper.log, patience=STARTUP_WAIT, cap=2.0)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise CommandError(
             f"Redis unreachable at {mask_url(cfg.redis_url)}: {exc}", EXIT_REDIS_DOWN

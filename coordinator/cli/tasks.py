@@ -46,8 +46,9 @@ def _statuses(store: TaskStore, records: list[TaskRecord]) -> list[dict[str, Any
     from overnight.coordinator.report.view import status_dict
 
     tokens = token_fields(store.client, store.keys, records)
-    return [with_tokens(status_dict(rec, store.claim_alive(rec.id)), tokens[rec.id])
-            for rec in records]  # fmt: skip
+    return [
+        with_tokens(status_dict(rec, store.claim_alive(rec.id)), tokens[rec.id]) for rec in records
+    ]
 
 
 def _status_json(store: TaskStore, rec: TaskRecord) -> str:
@@ -176,8 +177,13 @@ def worker_command(
             raise click.BadParameter(f"bad queue name {q!r}", param_hint="--queues")
     conn = rq_connection()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    retry_transient(conn.ping, "worker start", logging.getLogger("overnight.worker"),
-                    patience=STARTUP_WAIT, cap=2.0)  # fmt: skip
+    retry_transient(
+        conn.ping,
+        "worker start",
+        logging.getLogger("overnight.worker"),
+        patience=STARTUP_WAIT,
+        cap=2.0,
+    )
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None
@@ -367,8 +373,9 @@ def logs_command(task_id: str, turn: int | None, follow: bool) -> None:
     printed = print_logs(folder, sys.stdout, turn=turn, follow=follow, settled=settled)
     if not printed:
         which = f"turn {turn} of " if turn is not None else ""
-        click.echo(f"overnight logs: no step output of {which}task {task_id!r} in {folder}",
-                   err=True)  # fmt: skip
+        click.echo(
+            f"overnight logs: no step output of {which}task {task_id!r} in {folder}", err=True
+        )
 
 
 @click.command("report")
@@ -423,8 +430,11 @@ def diff_command(task_id: str, stat: bool) -> None:
     rec = _record(store, task_id)
     base = rec.spec.base
     if base is None or base.mode != workspace.WORKTREE or base.sha is None:
-        raise CommandError(f"task {task_id!r} did not work on a branch (workspace is "
-                           f"{base.mode if base else 'unknown'})", EXIT_USAGE)  # fmt: skip
+        raise CommandError(
+            f"task {task_id!r} did not work on a branch (workspace is "
+            f"{base.mode if base else 'unknown'})",
+            EXIT_USAGE,
+        )
     branch = rec.checkpoint.branch or workspace.branch_name(task_id)
     try:
         if stat:

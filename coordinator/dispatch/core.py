@@ -321,8 +321,13 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
         with contextlib.suppress(redis.RedisError):
             store = loop.store
             store.queued_checked([task_id], store.now() - store.queued_grace)
-    reason = job_failure(task_id, state, _detail(loop.store, task_id) if state != "lost" else
-                         "its claim was lost; recovery decides what it becomes")  # fmt: skip
+    reason = job_failure(
+        task_id,
+        state,
+        _detail(loop.store, task_id)
+        if state != "lost"
+        else "its claim was lost; recovery decides what it becomes",
+    )
     if reason is not None:
         raise TaskNotVerified(reason)
     return state
@@ -366,16 +371,20 @@ def _queued_without_job(store: TaskStore, rq_conn: redis.Redis, task_ids: list[s
     pipe = store.client.pipeline(transaction=False)
     for task_id in task_ids:
         pipe.hmget(store.keys.task(task_id), "state", "run", "attempt")
-    queued = [(task_id, f"{task_id}-{run}-{attempt}")
-              for task_id, (state, run, attempt) in zip(task_ids, pipe.execute(), strict=True)
-              if state == QUEUED.value]  # fmt: skip
+    queued = [
+        (task_id, f"{task_id}-{run}-{attempt}")
+        for task_id, (state, run, attempt) in zip(task_ids, pipe.execute(), strict=True)
+        if state == QUEUED.value
+    ]
     if not queued:
         return []
     rq_pipe = rq_conn.pipeline(transaction=False)
     for _task_id, job_id in queued:
         rq_pipe.hget(Job.key_for(job_id), "status")
-    ended = {s.value for s in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED,
-                               JobStatus.CANCELED)}  # fmt: skip
+    ended = {
+        s.value
+        for s in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
+    }
     gone = []
     for (task_id, _job_id), status in zip(queued, rq_pipe.execute(), strict=True):
         text = status.decode() if isinstance(status, bytes) else status
@@ -450,8 +459,7 @@ def _forget_leases(client: redis.Redis, keys: Keys, retention: float, now: float
     """Drop ended leases whose document expired from the lease list (oldest first, a batch
     per pass); returns how many went."""
     cutoff = int((now - retention) * 1000)
-    old = [str(x) for x in client.zrangebyscore(keys.leases, "-inf", cutoff, 0,
-                                                LEASE_PRUNE_BATCH)]  # fmt: skip
+    old = [str(x) for x in client.zrangebyscore(keys.leases, "-inf", cutoff, 0, LEASE_PRUNE_BATCH)]
     if not old:
         return 0
     pipe = client.pipeline(transaction=False)
@@ -638,8 +646,9 @@ class OvernightWorker(Worker):
         settings = current_settings()
         try:
             root = task_log_root(settings, settings.namespace)
-            gone = prune_task_logs(text_client(self.connection), Keys(settings.namespace),
-                                   root, settings.retention)  # fmt: skip
+            gone = prune_task_logs(
+                text_client(self.connection), Keys(settings.namespace), root, settings.retention
+            )
         except Exception as exc:
             self.log.warning("step log retention failed: %s: %s", type(exc).__name__, exc)
             return []
@@ -744,8 +753,9 @@ class OvernightWorker(Worker):
             except ChildProcessError:
                 return True
             time.sleep(0.05)
-        self.log.warning("worker %s: work horse %s did not stop in %.0fs", self.name, pid,
-                         FORCED_WAIT)  # fmt: skip
+        self.log.warning(
+            "worker %s: work horse %s did not stop in %.0fs", self.name, pid, FORCED_WAIT
+        )
         return False
 
     def setup_work_horse_signals(self) -> None:

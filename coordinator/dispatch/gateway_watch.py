@@ -77,8 +77,10 @@ class GatewayWatch:
 
         if not gateway_wanted(cfg) or gateway_answers(cfg):
             return None
-        watch = cls(f"{procs.hostname()} ({cfg.gateway_host}:{cfg.gateway_port})",
-                    lambda wait: gateway_answers(cfg, wait=wait))  # fmt: skip
+        watch = cls(
+            f"{procs.hostname()} ({cfg.gateway_host}:{cfg.gateway_port})",
+            lambda wait: gateway_answers(cfg, wait=wait),
+        )
         watch.start()
         return watch
 
@@ -134,6 +136,11 @@ class GatewayWatch:
             return True
         self.restarts += 1
         assert self.proc is not None
-        log.warning("%s; restarted as pid %d after %.1fs (restart %d)", said, self.proc.pid,
-                    delay, self.restarts)  # fmt: skip
+        log.warning(
+            "%s; restarted as pid %d after %.1fs (restart %d)",
+            said,
+            self.proc.pid,
+            delay,
+            self.restarts,
+        )
         return True

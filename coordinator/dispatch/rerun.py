@@ -101,6 +101,12 @@ def step_may_run(
     if found is None:
         return False
     until, doc = found
-    log.info("task %s: worker lost, but lease %s (host %s) may still run for %.1fs; "
-             "not re-run before then", rec.id, doc.lease_id, doc.host, until - now)  # fmt: skip
+    log.info(
+        "task %s: worker lost, but lease %s (host %s) may still run for %.1fs; "
+        "not re-run before then",
+        rec.id,
+        doc.lease_id,
+        doc.host,
+        until - now,
+    )
     return True

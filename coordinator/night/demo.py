@@ -38,8 +38,7 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
     run_dir = state_root / "demo" / time.strftime("%Y%m%d-%H%M%S")
     env, user = _step_user()
     tasks = _copy_tasks(examples, run_dir / "tasks", user)
-    print(f"overnight demo: tasks copied to {tasks}; budget {DEMO_BUDGET} calls",
-          file=sys.stderr)  # fmt: skip
+    print(f"overnight demo: tasks copied to {tasks}; budget {DEMO_BUDGET} calls", file=sys.stderr)
     opts = UpOptions(
         workers=workers,
         tasks=[tasks],
@@ -73,8 +72,11 @@ def _step_user() -> tuple[dict[str, str], StepUser | None]:
     if euid != 0 or settings.step_user or settings.allow_root_steps:
         return {}, decide(settings.step_user, settings.allow_root_steps, euid)
     user = decide(DEMO_USER, False, euid)
-    print(f"overnight demo: running as root and {STEP_USER} is unset: the example steps run "
-          f"as {DEMO_USER!r}", file=sys.stderr)  # fmt: skip
+    print(
+        f"overnight demo: running as root and {STEP_USER} is unset: the example steps run "
+        f"as {DEMO_USER!r}",
+        file=sys.stderr,
+    )
     return {STEP_USER: DEMO_USER}, user
 
 

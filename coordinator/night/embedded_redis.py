@@ -90,16 +90,24 @@ class EmbeddedRedis:
         return [
             find_redis_server(),
             *(["-"] if self.password else []),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir),
-            "--logfile", str(self.log_path),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "always",
-            "--daemonize", "no",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--logfile",
+            str(self.log_path),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
+            "--daemonize",
+            "no",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the server and wait until it answers PING."""

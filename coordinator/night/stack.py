@@ -115,8 +115,10 @@ class Stack:
                 continue
             self.restarts[name] = [*recent, now]
             new = self.spawn(name, self.argvs[name])
-            lines.append(f"{name} exited (code {code}); restarted as pid {new.pid} "
-                         f"({len(recent) + 1}/{MAX_RESTARTS}); see {log_file}")  # fmt: skip
+            lines.append(
+                f"{name} exited (code {code}); restarted as pid {new.pid} "
+                f"({len(recent) + 1}/{MAX_RESTARTS}); see {log_file}"
+            )
         return lines
 
     def reap_orphans(self) -> None:

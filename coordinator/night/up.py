@@ -131,8 +131,14 @@ def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> Lock:
     """Take the namespace's ``up`` lock (redis-py's ``Lock``, holding ``me``) or refuse."""
     from redis.lock import Lock
 
-    lock = Lock(client, keys.instance("up"), timeout=INSTANCE_TTL_MS / 1000, blocking=False,
-                thread_local=False, raise_on_release_error=False)  # fmt: skip
+    lock = Lock(
+        client,
+        keys.instance("up"),
+        timeout=INSTANCE_TTL_MS / 1000,
+        blocking=False,
+        thread_local=False,
+        raise_on_release_error=False,
+    )
     if lock.acquire(token=me):
         return lock
     holder = client.get(keys.instance("up"))

@@ -66,8 +66,16 @@ def table(rows: list[TaskRow], envelope: str, remaining: int | None, elapsed: fl
         title_justify="left",
         expand=False,
     )
-    columns = ("task", "state", "turn", "calls", "lease age", "last beat", "last verdict",
-               "last lease ending")  # fmt: skip
+    columns = (
+        "task",
+        "state",
+        "turn",
+        "calls",
+        "lease age",
+        "last beat",
+        "last verdict",
+        "last lease ending",
+    )
     for name in columns:
         out.add_column(name, no_wrap=not name.startswith("last "))
     for row in rows:

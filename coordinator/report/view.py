@@ -189,8 +189,13 @@ def ledger(client: Any, namespace: str) -> dict[str, dict[str, int]]:
         row = totals.setdefault(rc.task_id or "-", dict.fromkeys(LEDGER_FIELDS, 0))
         data = rc.data
         row["requests"] += 1 if data.get("model_units") else 0
-        for field in ("input_tokens", "output_tokens", "cache_read_tokens",
-                      "cache_write_tokens", "tool_calls"):  # fmt: skip
+        for field in (
+            "input_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "cache_write_tokens",
+            "tool_calls",
+        ):
             value = data.get(field)
             row[field] += value if isinstance(value, int) else 0
         row["estimated"] += 1 if data.get("estimated") else 0
@@ -198,8 +203,16 @@ def ledger(client: Any, namespace: str) -> dict[str, dict[str, int]]:
     return totals
 
 
-LEDGER_FIELDS = ("requests", "input_tokens", "output_tokens", "cache_read_tokens",
-                 "cache_write_tokens", "tool_calls", "estimated", "disconnected")  # fmt: skip
+LEDGER_FIELDS = (
+    "requests",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "tool_calls",
+    "estimated",
+    "disconnected",
+)
 
 
 def ledger_lines(client: Any, namespace: str) -> list[str]:
@@ -207,9 +220,11 @@ def ledger_lines(client: Any, namespace: str) -> list[str]:
     lines = []
     for task, row in sorted(ledger(client, namespace).items()):
         cache = row["cache_read_tokens"] + row["cache_write_tokens"]
-        line = (f"ledger {task}: {row['requests']} model requests, tokens in "
-                f"{row['input_tokens']} out {row['output_tokens']} cache {cache}, "
-                f"{row['tool_calls']} tool calls")  # fmt: skip
+        line = (
+            f"ledger {task}: {row['requests']} model requests, tokens in "
+            f"{row['input_tokens']} out {row['output_tokens']} cache {cache}, "
+            f"{row['tool_calls']} tool calls"
+        )
         if row["estimated"] or row["disconnected"]:
             line += f" ({row['estimated']} estimated, {row['disconnected']} cut short)"
         lines.append(line)

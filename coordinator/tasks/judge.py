@@ -97,8 +97,9 @@ def protected_result(changed: list[str]) -> RuleResult:
         f"this turn changed protected paths: {names}. The verifier ran on them as they were "
         "at the base; change the code under test, not the checks."
     )
-    return RuleResult(name=PROTECTED_RULE, passed=False, note="protected paths changed",
-                      tail=evidence)  # fmt: skip
+    return RuleResult(
+        name=PROTECTED_RULE, passed=False, note="protected paths changed", tail=evidence
+    )
 
 
 def step_name(spec: TaskSpec, step: int) -> str:
@@ -181,16 +182,33 @@ def judge(
     said = ending(cp.turn, name, cp.step > 0, out.status, out.note, out.limit)
     if not said and out.said is not None and not out.said.ok:
         said = f"turn {cp.turn} {name} reported a failure: {out.said.summary}"
-    data = {"step": name, "turn": cp.turn, "exit_code": out.exit_code, "status": out.status,
-            "note": out.note, "digest": out.digest}  # fmt: skip
+    data = {
+        "step": name,
+        "turn": cp.turn,
+        "exit_code": out.exit_code,
+        "status": out.status,
+        "note": out.note,
+        "digest": out.digest,
+    }
     if out.said is not None:
         data["agent_said"] = out.said.summary
         data["agent_ok"] = out.said.ok
     if said:
         data["ending"] = said
     events = [Event("step_finished", data, out.lease_id)]
-    _kept(cp, StepLog(turn=cp.turn, name=name, exit_code=out.exit_code, status=out.status,
-                      note=out.note, ending=said, tail=out.tail, log=log))  # fmt: skip
+    _kept(
+        cp,
+        StepLog(
+            turn=cp.turn,
+            name=name,
+            exit_code=out.exit_code,
+            status=out.status,
+            note=out.note,
+            ending=said,
+            tail=out.tail,
+            log=log,
+        ),
+    )
     if out.note.startswith(CALL_REFUSED):
         # The gateway refused one of the step's model calls: the budget is spent.
         detail = out.note.removeprefix(CALL_REFUSED)
@@ -239,10 +257,17 @@ def judge(
         cp.memory = None
         return Next(cp, State.FINISHED_VERIFIED, "every rule passed", tuple(events))
     first = next(r for r in cp.results if not r.passed)
-    first_said = next((s.ending for s in reversed(cp.steps) if s.turn == cp.turn
-                       and s.name == first.name and s.ending), "")  # fmt: skip
-    cp.memory = Memory(unmet=verdict.failed, rule=first.name, note=first_said or first.note,
-                       evidence=first.tail)  # fmt: skip
+    first_said = next(
+        (
+            s.ending
+            for s in reversed(cp.steps)
+            if s.turn == cp.turn and s.name == first.name and s.ending
+        ),
+        "",
+    )
+    cp.memory = Memory(
+        unmet=verdict.failed, rule=first.name, note=first_said or first.note, evidence=first.tail
+    )
     agent_digest = cp.agent.digest if cp.agent else ""
     fingerprint = hashlib.sha256(f"{agent_digest}|{verdict.failed}".encode()).hexdigest()[:32]
     cp.repeats = cp.repeats + 1 if fingerprint == cp.fingerprint else 1

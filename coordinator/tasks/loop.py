@@ -361,12 +361,16 @@ class TaskLoop:
             if preset is None:
                 return f"no agent preset {spec.agent!r}"
             if self.config.gateway_url is None:
-                return (f"the {preset.name} preset talks to a model only through the gateway, "
-                        "and none is configured (set OVERNIGHT_MODEL_URL or "
-                        "OVERNIGHT_ANTHROPIC_URL)")  # fmt: skip
+                return (
+                    f"the {preset.name} preset talks to a model only through the gateway, "
+                    "and none is configured (set OVERNIGHT_MODEL_URL or "
+                    "OVERNIGHT_ANTHROPIC_URL)"
+                )
             if start_problem([preset.program], spec.workdir, path) is not None:
-                return (f"the {preset.name} preset needs {preset.program!r} on PATH, which it "
-                        f"is not (install: {preset.install})")  # fmt: skip
+                return (
+                    f"the {preset.name} preset needs {preset.program!r} on PATH, which it "
+                    f"is not (install: {preset.install})"
+                )
             return None
         return start_problem(spec.agent, spec.workdir, path)
 
@@ -422,9 +426,14 @@ class TaskLoop:
             preset = agents.get(spec.agent)
             assert preset is not None  # the task file names only known presets
             model = spec.model or self.config.preset_models.get(preset.wire, "")
-            ctx = agents.Context(prompt=short, prompt_file=str(prompt_file), model=model,
-                                 workdir=cwd, turn=cp.turn,
-                                 gateway_url=self.config.gateway_url or "")  # fmt: skip
+            ctx = agents.Context(
+                prompt=short,
+                prompt_file=str(prompt_file),
+                model=model,
+                workdir=cwd,
+                turn=cp.turn,
+                gateway_url=self.config.gateway_url or "",
+            )
             launch = preset.launch(ctx)
             argv, home_files, reader = launch.argv, launch.home_files, preset.reader()
             env.update(launch.env)

@@ -38,8 +38,12 @@ SYSTEM = (
 STUB_MODEL = "echo-stub"
 MAX_ERROR_BODY = 300
 SETTINGS_VAR = "OVERNIGHT_MODEL_SETTINGS"
-MODEL_VARS = ("OVERNIGHT_MODEL_URL", "OVERNIGHT_MODEL_API_KEY", "OVERNIGHT_MODEL_NAME",
-              "OVERNIGHT_MODEL_TIMEOUT")  # fmt: skip
+MODEL_VARS = (
+    "OVERNIGHT_MODEL_URL",
+    "OVERNIGHT_MODEL_API_KEY",
+    "OVERNIGHT_MODEL_NAME",
+    "OVERNIGHT_MODEL_TIMEOUT",
+)
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,12 @@ def settings_from_line(line: bytes) -> ModelSettings:
             values[field] = RULES[field](data[var])
         except ValueError as exc:
             raise ValueError(f"{var}: {exc}") from None
-    return ModelSettings(values.get("model_url"), values.get("model_api_key"),
-                         values["model_name"], values["model_timeout"])  # fmt: skip
+    return ModelSettings(
+        values.get("model_url"),
+        values.get("model_api_key"),
+        values["model_name"],
+        values["model_timeout"],
+    )
 
 
 def _settings() -> ModelSettings:
@@ -197,8 +205,7 @@ def main() -> int:
         try:
             # Under a gateway the key is the step's own per-lease token.
             key = settings.api_key or os.environ.get("OPENAI_API_KEY")
-            answer = ask_model(settings.url, key, settings.name, prompt,
-                               settings.timeout)  # fmt: skip
+            answer = ask_model(settings.url, key, settings.name, prompt, settings.timeout)
         except ModelError as exc:
             print(f"model step: {exc}", file=sys.stderr, flush=True)
             return 1

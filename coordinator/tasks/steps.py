@@ -114,8 +114,10 @@ class OutputCapture:
             return
         if self._dropped:
             cap = self.log_cap
-            self.log.write(f"[overnight: output capped at {cap} bytes; "
-                           f"{self._dropped} more bytes dropped]\n".encode())  # fmt: skip
+            self.log.write(
+                f"[overnight: output capped at {cap} bytes; "
+                f"{self._dropped} more bytes dropped]\n".encode()
+            )
         self.log.close()
         self.log = None
 

@@ -488,8 +488,10 @@ class TaskStore:
         """Drop tasks whose retention is over (their record expired) from the task index;
         returns how many. Reads only those ended longer ago than the retention."""
         cutoff = now - self.retention
-        ids = [str(x) for x in self.client.zrangebyscore(self.keys.tasks_ended, "-inf",
-                                                         cutoff, 0, limit)]  # fmt: skip
+        ids = [
+            str(x)
+            for x in self.client.zrangebyscore(self.keys.tasks_ended, "-inf", cutoff, 0, limit)
+        ]
         if not ids:
             return 0
         keys = [self.keys.tasks, self.keys.tasks_ended, *(self.keys.task(i) for i in ids)]

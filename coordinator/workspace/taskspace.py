@@ -96,8 +96,11 @@ class TaskSpace:
         for safe.directory, unlike a repository's own."""
         if self.tree is None:
             return {}
-        return {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
-                "GIT_CONFIG_VALUE_0": self.tree.path}  # fmt: skip
+        return {
+            "GIT_CONFIG_COUNT": "1",
+            "GIT_CONFIG_KEY_0": "safe.directory",
+            "GIT_CONFIG_VALUE_0": self.tree.path,
+        }
 
     def lock(self, lease: str) -> None:
         if self.tree is not None:

@@ -195,13 +195,21 @@ class Channel:
             conn.setblocking(False)
             pid = _peer_pid(conn)
             others = _running_roots - {self.root}
-            if not in_tree(pid, root=self.root, root_start=self.root_start,
-                           adopter=os.getpid(), other_roots=others):  # fmt: skip
+            if not in_tree(
+                pid,
+                root=self.root,
+                root_start=self.root_start,
+                adopter=os.getpid(),
+                other_roots=others,
+            ):
                 self.refused += 1
                 if self.refused == 1:
-                    log.warning("lease=%s: refused a beat from pid %d: not of this lease's "
-                                "tree (further refusals are not logged)", self.lease_id,
-                                pid)  # fmt: skip
+                    log.warning(
+                        "lease=%s: refused a beat from pid %d: not of this lease's "
+                        "tree (further refusals are not logged)",
+                        self.lease_id,
+                        pid,
+                    )
                 _reply(conn, b"refused not-this-lease")
                 conn.close()
                 continue

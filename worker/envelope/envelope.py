@@ -197,8 +197,13 @@ class CallEnvelope:
         k = self.keys
         self._keys = [k.envelope(name), k.envelope_reservations(name), k.receipts]
         # Receipt labels travel as one argument; scripts decode them only to write a receipt.
-        labels = {"envelope": name, "host": procs.hostname(), "task_id": task_id,
-                  "lease_id": lease_id, "maxlen": STREAM_MAXLEN}  # fmt: skip
+        labels = {
+            "envelope": name,
+            "host": procs.hostname(),
+            "task_id": task_id,
+            "lease_id": lease_id,
+            "maxlen": STREAM_MAXLEN,
+        }
         self._context: list[str | int] = [json.dumps(labels)]
         self._consume = _register(redis_client, "consume")
         self._reserve = _register(redis_client, "reserve")
@@ -236,13 +241,24 @@ class CallEnvelope:
         ``max_tokens`` caps the tokens (input + output) the gateway may spend; None: no cap.
         Open reservations are dropped. Raises ``ValueError`` for ``n < 0`` or a negative cap.
         """
-        caps = (("n", n), ("max_model", max_model), ("max_tool", max_tool),
-                ("max_tokens", max_tokens))  # fmt: skip
+        caps = (
+            ("n", n),
+            ("max_model", max_model),
+            ("max_tool", max_tool),
+            ("max_tokens", max_tokens),
+        )
         for label, value in caps:
             if value is not None:
                 _check_units(label, value, minimum=0)
-        args = (*self._keys, *self._context, n, _opt(max_model), _opt(max_tool), "",
-                _opt(max_tokens))  # fmt: skip
+        args = (
+            *self._keys,
+            *self._context,
+            n,
+            _opt(max_model),
+            _opt(max_tool),
+            "",
+            _opt(max_tokens),
+        )
         return self._run(self._reset, "reset", 3, args).state
 
     def create(self, n: int) -> bool:
@@ -299,8 +315,16 @@ class CallEnvelope:
             raise ValueError("ttl must be at least 1 ms")
         rsv_id = uuid.uuid4().hex
         keys = self._keys_for(request_id)
-        args = (*keys, *self._context, kind, units, rsv_id, ttl_ms, self.request_ttl,
-                request_id or "")  # fmt: skip
+        args = (
+            *keys,
+            *self._context,
+            kind,
+            units,
+            rsv_id,
+            ttl_ms,
+            self.request_ttl,
+            request_id or "",
+        )
         reply = self._run(self._reserve, kind, len(keys), args, units)
         member, expires = reply.extra
         rsv_id, _, _ = member.split(":")

@@ -28,8 +28,13 @@ if TYPE_CHECKING:
     from overnight.config.keys import Keys
 
 TOKEN_PREFIX = "ovn-"
-STEP_VARS = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL",
-             "ANTHROPIC_AUTH_TOKEN")  # fmt: skip
+STEP_VARS = (
+    "OPENAI_BASE_URL",
+    "OPENAI_API_BASE",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "ANTHROPIC_AUTH_TOKEN",
+)
 
 
 @dataclass(frozen=True)
@@ -57,9 +62,13 @@ def digest(token: str) -> str:
 def step_env(base_url: str, token: str) -> dict[str, str]:
     """The variables that point a step's OpenAI and Anthropic clients at the gateway."""
     base = base_url.rstrip("/")
-    return {"OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_BASE": f"{base}/v1",
-            "OPENAI_API_KEY": token, "ANTHROPIC_BASE_URL": base,
-            "ANTHROPIC_AUTH_TOKEN": token}  # fmt: skip
+    return {
+        "OPENAI_BASE_URL": f"{base}/v1",
+        "OPENAI_API_BASE": f"{base}/v1",
+        "OPENAI_API_KEY": token,
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_AUTH_TOKEN": token,
+    }
 
 
 def mint(
@@ -74,10 +83,14 @@ def mint(
     """Write a new token for ``lease_id`` (whose gap is ``gap`` seconds: the gateway reports
     progress well within it); returns the token and the step's variables."""
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    fields: dict[FieldT, EncodableT] = {"lease_id": lease_id, "lease_token": str(lease_token),
-                              "envelope": grant.envelope, "task_id": grant.task_id or "",
-                              "prepaid": "1" if grant.prepaid else "0",
-                              "gap": repr(float(gap))}  # fmt: skip
+    fields: dict[FieldT, EncodableT] = {
+        "lease_id": lease_id,
+        "lease_token": str(lease_token),
+        "envelope": grant.envelope,
+        "task_id": grant.task_id or "",
+        "prepaid": "1" if grant.prepaid else "0",
+        "gap": repr(float(gap)),
+    }
     if grant.max_calls is not None:
         fields["max_calls"] = grant.max_calls
     if grant.max_tokens is not None:

@@ -93,10 +93,20 @@ class Meter:
         if not raw:
             return None
         task_id = raw.get("task_id") or None
-        labels = {"envelope": raw.get("envelope", "default"), "host": self.host,
-                  "task_id": task_id, "lease_id": lease_id, "maxlen": STREAM_MAXLEN}  # fmt: skip
-        found = Holder(lease_id, raw.get("envelope") or "default", task_id,
-                       float(raw.get("gap") or 30.0), json.dumps(labels))  # fmt: skip
+        labels = {
+            "envelope": raw.get("envelope", "default"),
+            "host": self.host,
+            "task_id": task_id,
+            "lease_id": lease_id,
+            "maxlen": STREAM_MAXLEN,
+        }
+        found = Holder(
+            lease_id,
+            raw.get("envelope") or "default",
+            task_id,
+            float(raw.get("gap") or 30.0),
+            json.dumps(labels),
+        )
         self._cache[key] = found
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -108,16 +118,20 @@ class Meter:
 
     def _keys(self, who: Holder) -> list[str]:
         k = self.keys
-        keys = [k.lease_grant(who.lease_id), k.lease(who.lease_id), k.envelope(who.envelope),
-                k.envelope_reservations(who.envelope), k.receipts]  # fmt: skip
+        keys = [
+            k.lease_grant(who.lease_id),
+            k.lease(who.lease_id),
+            k.envelope(who.envelope),
+            k.envelope_reservations(who.envelope),
+            k.receipts,
+        ]
         if who.task_id:
             keys.append(k.task(who.task_id))
         return keys
 
     async def reserve(self, who: Holder, tokens: int, route: str) -> Hold:
         """Take one model unit and a hold of up to ``tokens``, or raise :class:`Refused`."""
-        args: list[str | int] = [who.context, max(1, tokens), uuid.uuid4().hex, HOLD_TTL_MS,
-                                 route]  # fmt: skip
+        args: list[str | int] = [who.context, max(1, tokens), uuid.uuid4().hex, HOLD_TTL_MS, route]
         res: list[Any] = await self._reserve(keys=self._keys(who), args=args)
         if int(res[0]) != 1:
             raise Refused(str(res[1]), str(res[2]))
@@ -127,8 +141,12 @@ class Meter:
         """Hold ``chunk`` more tokens for a stream that outgrew its hold, or raise
         :class:`Refused` (the grant then refuses every later request too)."""
         k = self.keys
-        keys = [k.lease_grant(who.lease_id), k.envelope(who.envelope),
-                k.envelope_reservations(who.envelope), k.receipts]  # fmt: skip
+        keys = [
+            k.lease_grant(who.lease_id),
+            k.envelope(who.envelope),
+            k.envelope_reservations(who.envelope),
+            k.receipts,
+        ]
         if who.task_id:
             keys.append(k.task(who.task_id))
         args: list[str | int] = [who.context, hold.member, chunk, HOLD_TTL_MS, route]
@@ -151,13 +169,23 @@ class Meter:
         request that was not answered) and write its ``model_call`` receipt; returns the tool
         units charged."""
         k = self.keys
-        keys = [k.lease_grant(who.lease_id), k.envelope(who.envelope),
-                k.envelope_reservations(who.envelope), k.receipts]  # fmt: skip
+        keys = [
+            k.lease_grant(who.lease_id),
+            k.envelope(who.envelope),
+            k.envelope_reservations(who.envelope),
+            k.receipts,
+        ]
         if who.task_id:
             keys.append(k.task(who.task_id))
         flags = ("1" if refund else "0", "1" if hold.prepaid else "0")
-        args: list[str | int] = [who.context, hold.member, max(0, tokens), max(0, tools),
-                                 *flags, json.dumps(data)]  # fmt: skip
+        args: list[str | int] = [
+            who.context,
+            hold.member,
+            max(0, tokens),
+            max(0, tools),
+            *flags,
+            json.dumps(data),
+        ]
         res: list[Any] = await self._commit(keys=keys, args=args)
         return int(res[1]) if int(res[0]) == 1 else 0
 

@@ -32,9 +32,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("overnight.gateway")
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
-                        "content-length"})  # fmt: skip
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 # The step's credential never reaches the upstream; the upstream's key is added instead.
 # Responses come back uncompressed so their usage can be read on the side.
 DROP_REQUEST = HOP_BY_HOP | {"authorization", "x-api-key", "accept-encoding"}
@@ -96,11 +108,13 @@ class Gateway:
         return app
 
     async def _start(self, _app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
-                                        sock_read=self.config.model_timeout)  # fmt: skip
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=10.0, sock_read=self.config.model_timeout
+        )
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector,
-                                             auto_decompress=False)  # fmt: skip
+        self.session = aiohttp.ClientSession(
+            timeout=timeout, connector=connector, auto_decompress=False
+        )
 
     async def _stop(self, _app: web.Application) -> None:
         if self.session is not None:
@@ -110,8 +124,10 @@ class Gateway:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if request.headers.get("upgrade", "").lower() == "websocket":
-            return web.Response(status=426, text="overnight gateway: WebSocket is not "
-                                "supported; use HTTP (SSE) streaming\n")  # fmt: skip
+            return web.Response(
+                status=426,
+                text="overnight gateway: WebSocket is not supported; use HTTP (SSE) streaming\n",
+            )
         if request.method == "HEAD" and path == "/":
             return web.Response(status=200)
         route = wire.ROUTES.get((request.method, path))
@@ -146,12 +162,14 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self.session is not None
         try:
-            async with self.session.request(request.method, upstream.url(request.path_qs),
-                                            headers=_forward_headers(request, upstream, fam),
-                                            data=body or None) as resp:  # fmt: skip
+            async with self.session.request(
+                request.method,
+                upstream.url(request.path_qs),
+                headers=_forward_headers(request, upstream, fam),
+                data=body or None,
+            ) as resp:
                 data = await resp.read()
-                return web.Response(status=resp.status, body=data,
-                                    headers=_response_headers(resp))  # fmt: skip
+                return web.Response(status=resp.status, body=data, headers=_response_headers(resp))
         except (TimeoutError, aiohttp.ClientError) as exc:
             return _error(fam, 502, f"upstream unreachable: {_reason(exc)}")
 
@@ -176,8 +194,13 @@ class Gateway:
         try:
             hold = await self.meter.reserve(who, wire.hold_for(len(body), ask), route)
         except Refused as exc:
-            log.info("gateway: lease=%s task=%s: refused (%s): %s", who.lease_id, who.task_id,
-                     exc.reason, exc.detail)  # fmt: skip
+            log.info(
+                "gateway: lease=%s task=%s: refused (%s): %s",
+                who.lease_id,
+                who.task_id,
+                exc.reason,
+                exc.detail,
+            )
             return _error(fam, exc.status, exc.detail)
         except LEDGER_ERRORS as exc:
             log.warning("gateway: lease=%s: reserve failed: %s", who.lease_id, exc)
@@ -240,8 +263,9 @@ class _Call:
         assert session is not None
         headers = _forward_headers(self.request, self.upstream, self.fam)
         try:
-            ctx = session.post(self.upstream.url(self.request.path_qs), data=self.body,
-                               headers=headers)  # fmt: skip
+            ctx = session.post(
+                self.upstream.url(self.request.path_qs), data=self.body, headers=headers
+            )
             async with ctx as resp:
                 self.status = resp.status
                 if resp.status >= 500:
@@ -249,16 +273,21 @@ class _Call:
                     return _error(self.fam, 502, f"upstream answered HTTP {resp.status}: {text}")
                 if resp.status >= 300:
                     data = await resp.read()
-                    return web.Response(status=resp.status, body=data,
-                                        headers=_response_headers(resp))  # fmt: skip
+                    return web.Response(
+                        status=resp.status, body=data, headers=_response_headers(resp)
+                    )
                 self.answered = True
                 if resp.content_type == "text/event-stream":
                     return await self._stream(resp)
                 return await self._whole(resp)
         except TimeoutError:
             self.status = 504
-            return _error(self.fam, 504, "upstream stalled past OVERNIGHT_MODEL_TIMEOUT "
-                          f"({self.gw.config.model_timeout:g}s)")  # fmt: skip
+            return _error(
+                self.fam,
+                504,
+                "upstream stalled past OVERNIGHT_MODEL_TIMEOUT "
+                f"({self.gw.config.model_timeout:g}s)",
+            )
         except aiohttp.ClientError as exc:
             self.status = 502
             return _error(self.fam, 502, f"upstream unreachable: {_reason(exc)}")
@@ -298,8 +327,7 @@ class _Call:
                 if not self.disconnected and await self._outgrown(out, send):
                     return out
                 if self.disconnected:
-                    if (time.monotonic() > drain_until
-                            or self.response_bytes > DRAIN_BYTES):  # fmt: skip
+                    if time.monotonic() > drain_until or self.response_bytes > DRAIN_BYTES:
                         return out
                     continue
                 if send:
@@ -332,15 +360,18 @@ class _Call:
         if wire.streamed_tokens(self.usage) < held_output:
             return False
         try:
-            self.hold = await self.gw.meter.extend(self.who, self.hold, wire.HOLD_CHUNK,
-                                                   self.route)  # fmt: skip
+            self.hold = await self.gw.meter.extend(self.who, self.hold, wire.HOLD_CHUNK, self.route)
             return False
         except Refused as exc:
             status, message = 429, exc.detail
         except LEDGER_ERRORS as exc:  # the ledger is away: fail closed
             status, message = 503, f"the gateway cannot reach its ledger: {_reason(exc)}"
-        log.info("gateway: lease=%s task=%s: stream cut: %s", self.who.lease_id,
-                 self.who.task_id, message)  # fmt: skip
+        log.info(
+            "gateway: lease=%s task=%s: stream cut: %s",
+            self.who.lease_id,
+            self.who.task_id,
+            message,
+        )
         self.cut = True
         with contextlib.suppress(ConnectionError, RuntimeError):
             if send:
@@ -374,22 +405,42 @@ class _Call:
             usage = wire.estimate(len(self.body), self.response_bytes)
             usage.tools = self.usage.tools
             tokens, estimated = usage.tokens, True
-        data = {"route": self.route, "model": self.ask.model, "stream": self.ask.stream,
-                "status": self.status, "input_tokens": usage.input,
-                "output_tokens": usage.output, "cache_read_tokens": usage.cache_read,
-                "cache_write_tokens": usage.cache_write, "tokens": tokens,
-                "tool_calls": usage.tools, "model_units": 0 if refund else 1,
-                "prepaid": self.hold.prepaid, "hold": self.hold.tokens,
-                "duration_ms": round((time.monotonic() - self.started) * 1000, 1),
-                "disconnected": self.disconnected, "estimated": estimated, "cut": self.cut,
-                "refunded": refund}  # fmt: skip
+        data = {
+            "route": self.route,
+            "model": self.ask.model,
+            "stream": self.ask.stream,
+            "status": self.status,
+            "input_tokens": usage.input,
+            "output_tokens": usage.output,
+            "cache_read_tokens": usage.cache_read,
+            "cache_write_tokens": usage.cache_write,
+            "tokens": tokens,
+            "tool_calls": usage.tools,
+            "model_units": 0 if refund else 1,
+            "prepaid": self.hold.prepaid,
+            "hold": self.hold.tokens,
+            "duration_ms": round((time.monotonic() - self.started) * 1000, 1),
+            "disconnected": self.disconnected,
+            "estimated": estimated,
+            "cut": self.cut,
+            "refunded": refund,
+        }
         try:
-            await self.gw.meter.commit(self.who, self.hold, tokens=tokens,
-                                       tools=0 if refund else usage.tools, refund=refund,
-                                       data=data)  # fmt: skip
+            await self.gw.meter.commit(
+                self.who,
+                self.hold,
+                tokens=tokens,
+                tools=0 if refund else usage.tools,
+                refund=refund,
+                data=data,
+            )
         except LEDGER_ERRORS as exc:  # the hold expires back to the envelope on its own
-            log.error("gateway: lease=%s task=%s: commit failed: %s", self.who.lease_id,
-                      self.who.task_id, exc)  # fmt: skip
+            log.error(
+                "gateway: lease=%s task=%s: commit failed: %s",
+                self.who.lease_id,
+                self.who.task_id,
+                exc,
+            )
 
 
 def _token(request: web.Request) -> str | None:
@@ -432,9 +483,12 @@ def _error(fam: wire.Family, status: int, message: str, retry: bool | None = Non
     on them, obey) says whether asking again can help: by default only for a 5xx (refunded,
     so a retry costs nothing), never for a refusal, a bad request or a bad token."""
     again = status >= 500 if retry is None else retry
-    return web.Response(status=status, body=wire.error_body(fam, status, message),
-                        content_type="application/json",
-                        headers={"x-should-retry": "true" if again else "false"})  # fmt: skip
+    return web.Response(
+        status=status,
+        body=wire.error_body(fam, status, message),
+        content_type="application/json",
+        headers={"x-should-retry": "true" if again else "false"},
+    )
 
 
 def _reason(exc: BaseException) -> str:
@@ -453,8 +507,9 @@ async def serve(
 ) -> None:
     """Serve until cancelled (SIGTERM/SIGINT in the CLI)."""
     gateway = Gateway(Meter(client, namespace, host_id), config)
-    runner = web.AppRunner(gateway.app(), access_log=None, handle_signals=False,
-                           shutdown_timeout=2.0)  # fmt: skip
+    runner = web.AppRunner(
+        gateway.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     await site.start()

@@ -39,12 +39,24 @@ def family(route: Route | None, path: str) -> Family:
     return "openai"
 
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 404: "invalid_request_error", 413: "invalid_request_error",
-                 429: "insufficient_quota", 502: "api_error", 504: "api_error"}  # fmt: skip
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 502: "api_error", 504: "timeout_error"}  # fmt: skip
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "insufficient_quota",
+    502: "api_error",
+    504: "api_error",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    502: "api_error",
+    504: "timeout_error",
+}
 
 
 def error_body(fam: Family, status: int, message: str) -> bytes:
@@ -92,8 +104,11 @@ def read_ask(route: Route, body: Any) -> Ask:
     if not isinstance(model, str) or not model:
         raise ValueError("the request names no model")
     stream = body.get("stream") is True
-    names = {"chat": ("max_completion_tokens", "max_tokens"), "responses": ("max_output_tokens",),
-             "messages": ("max_tokens",)}.get(route, ())  # fmt: skip
+    names = {
+        "chat": ("max_completion_tokens", "max_tokens"),
+        "responses": ("max_output_tokens",),
+        "messages": ("max_tokens",),
+    }.get(route, ())
     max_output = None
     for name in names:
         value = body.get(name)
@@ -195,8 +210,9 @@ _RESPONSE_TOOL_ITEMS = frozenset({"function_call", "custom_tool_call"})
 def _response_tools(output: Any) -> int:
     if not isinstance(output, list):
         return 0
-    return sum(1 for item in output if isinstance(item, dict)
-               and item.get("type") in _RESPONSE_TOOL_ITEMS)  # fmt: skip
+    return sum(
+        1 for item in output if isinstance(item, dict) and item.get("type") in _RESPONSE_TOOL_ITEMS
+    )
 
 
 def usage_of_body(route: Route, body: Any) -> Usage:
@@ -217,8 +233,11 @@ def usage_of_body(route: Route, body: Any) -> Usage:
         _anthropic_usage(body.get("usage"), out)
         content = body.get("content")
         if isinstance(content, list):
-            out.tools = sum(1 for block in content if isinstance(block, dict)
-                            and block.get("type") == "tool_use")  # fmt: skip
+            out.tools = sum(
+                1
+                for block in content
+                if isinstance(block, dict) and block.get("type") == "tool_use"
+            )
     return out
 
 
@@ -262,8 +281,9 @@ def feed_event(route: Route, data: Any, out: Usage) -> None:
         elif kind == "content_block_delta":
             delta = data.get("delta")
             if isinstance(delta, dict):
-                out.chars += sum(_len(delta.get(key)) for key in ("text", "partial_json",
-                                                                  "thinking"))  # fmt: skip
+                out.chars += sum(
+                    _len(delta.get(key)) for key in ("text", "partial_json", "thinking")
+                )
         elif kind == "content_block_start":
             block = data.get("content_block")
             if isinstance(block, dict) and block.get("type") == "tool_use":
@@ -284,8 +304,9 @@ def event_data(event: bytes) -> Any:
         return None
 
 
-_LAST_TYPES = frozenset({"message_stop", "response.completed", "response.incomplete",
-                         "response.failed"})  # fmt: skip
+_LAST_TYPES = frozenset(
+    {"message_stop", "response.completed", "response.incomplete", "response.failed"}
+)
 
 
 def is_last_event(event: bytes, data: Any) -> bool:
@@ -326,5 +347,6 @@ def _event_end(buffer: bytearray, start: int) -> int:
 
 def estimate(body_bytes: int, response_bytes: int) -> Usage:
     """Usage guessed from sizes when the upstream reported none (ledger row ``estimated``)."""
-    return Usage(input=body_bytes // BYTES_PER_TOKEN + 1,
-                 output=response_bytes // BYTES_PER_TOKEN + 1)  # fmt: skip
+    return Usage(
+        input=body_bytes // BYTES_PER_TOKEN + 1, output=response_bytes // BYTES_PER_TOKEN + 1
+    )

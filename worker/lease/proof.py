@@ -72,8 +72,10 @@ def write(
     if ticks is None or me is None:
         log.warning("lease=%s host=%s: no start time for the proof", lease_id, procs.hostname())
         return False
-    return store(namespace, Proof(lease_id, token, pid, pid, ticks, procs.boot_id(),
-                                  os.getpid(), me, str(group or "")))  # fmt: skip
+    return store(
+        namespace,
+        Proof(lease_id, token, pid, pid, ticks, procs.boot_id(), os.getpid(), me, str(group or "")),
+    )
 
 
 def store(namespace: str, proof: Proof) -> bool:
@@ -87,8 +89,13 @@ def store(namespace: str, proof: Proof) -> bool:
             json.dump(asdict(proof), fh)
         os.replace(tmp, target)
     except OSError as exc:
-        log.warning("lease=%s host=%s: cannot write the lease proof %s: %s", proof.lease_id,
-                    procs.hostname(), target, exc)  # fmt: skip
+        log.warning(
+            "lease=%s host=%s: cannot write the lease proof %s: %s",
+            proof.lease_id,
+            procs.hostname(),
+            target,
+            exc,
+        )
         return False
     return True
 
@@ -119,8 +126,14 @@ def read(namespace: str, lease_id: str) -> tuple[Proof | None, str]:
             proof = Proof(**data)
         except (ValueError, TypeError):
             return None, "proof unreadable"
-    fields = (proof.token, proof.pid, proof.pgid, proof.start_ticks, proof.supervisor_pid,
-              proof.supervisor_start_ticks)  # fmt: skip
+    fields = (
+        proof.token,
+        proof.pid,
+        proof.pgid,
+        proof.start_ticks,
+        proof.supervisor_pid,
+        proof.supervisor_start_ticks,
+    )
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
         return None, "proof unreadable"
     if not isinstance(proof.cgroup, str):

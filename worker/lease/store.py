@@ -46,12 +46,31 @@ RETENTION_SEC = _retention()
 # there because that module loads pydantic.
 STREAM_MAXLEN = 1_000_000
 CONTRACT_FIELDS = (
-    "lease_id", "token", "holder_pid", "pgid", "host", "budget_sec", "started_unix",
-    "deadline_unix", "heartbeat_unix", "heartbeat_max_gap_sec", "status", "note",
-    "exit_code", "ended_unix",
-)  # fmt: skip
-_REQUIRED = ("lease_id", "token", "budget_sec", "started_unix", "deadline_unix",
-             "heartbeat_unix", "heartbeat_max_gap_sec", "status")  # fmt: skip
+    "lease_id",
+    "token",
+    "holder_pid",
+    "pgid",
+    "host",
+    "budget_sec",
+    "started_unix",
+    "deadline_unix",
+    "heartbeat_unix",
+    "heartbeat_max_gap_sec",
+    "status",
+    "note",
+    "exit_code",
+    "ended_unix",
+)
+_REQUIRED = (
+    "lease_id",
+    "token",
+    "budget_sec",
+    "started_unix",
+    "deadline_unix",
+    "heartbeat_unix",
+    "heartbeat_max_gap_sec",
+    "status",
+)
 
 
 class LeaseRefused(Exception):
@@ -208,24 +227,54 @@ class Leases:
         k = self.keys
         end_key = secrets.token_hex(16)
         res = self._acquire(
-            keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_seq, k.lease_expiry,
-                  k.leases, k.receipts],
-            args=[lease_id, procs.hostname(), supervisor_pid, _num(budget_sec), _num(gap_sec),
-                  note, procs.boot_id(), task_id or "", STREAM_MAXLEN, RETENTION_SEC,
-                  hashlib.sha1(end_key.encode()).hexdigest()],
-        )  # fmt: skip
+            keys=[
+                k.lease(lease_id),
+                k.lease_alive(lease_id),
+                k.lease_seq,
+                k.lease_expiry,
+                k.leases,
+                k.receipts,
+            ],
+            args=[
+                lease_id,
+                procs.hostname(),
+                supervisor_pid,
+                _num(budget_sec),
+                _num(gap_sec),
+                note,
+                procs.boot_id(),
+                task_id or "",
+                STREAM_MAXLEN,
+                RETENTION_SEC,
+                hashlib.sha1(end_key.encode()).hexdigest(),
+            ],
+        )
         _check(lease_id, res)
         self._end_keys[lease_id] = end_key
         # The document as the script just wrote it (same strings, same parse): no read back.
         started = _text(res[2])
-        return LeaseDoc.from_hash({
-            "lease_id": lease_id, "token": _text(res[1]), "holder_pid": "0", "pgid": "0",
-            "host": procs.hostname(), "budget_sec": _num(budget_sec), "started_unix": started,
-            "deadline_unix": _text(res[3]), "heartbeat_unix": started,
-            "heartbeat_max_gap_sec": _num(gap_sec), "status": "running", "note": note,
-            "exit_code": "", "ended_unix": "", "supervisor_pid": str(supervisor_pid),
-            "child_start_ticks": "", "boot_id": procs.boot_id(), "task_id": task_id or "",
-        })  # fmt: skip
+        return LeaseDoc.from_hash(
+            {
+                "lease_id": lease_id,
+                "token": _text(res[1]),
+                "holder_pid": "0",
+                "pgid": "0",
+                "host": procs.hostname(),
+                "budget_sec": _num(budget_sec),
+                "started_unix": started,
+                "deadline_unix": _text(res[3]),
+                "heartbeat_unix": started,
+                "heartbeat_max_gap_sec": _num(gap_sec),
+                "status": "running",
+                "note": note,
+                "exit_code": "",
+                "ended_unix": "",
+                "supervisor_pid": str(supervisor_pid),
+                "child_start_ticks": "",
+                "boot_id": procs.boot_id(),
+                "task_id": task_id or "",
+            }
+        )
 
     def attach(self, lease_id: str, token: int, *, pid: int, pgid: int, start: int | None) -> None:
         """Record the supervised child on the lease."""
@@ -271,10 +320,19 @@ class Leases:
         k = self.keys
         res = self._end(
             keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
-            args=[token, status, note, "" if exit_code is None else exit_code, receipt_kind,
-                  STREAM_MAXLEN, RETENTION_SEC, procs.hostname(), "1" if fetch else "0",
-                  self._end_keys.get(lease_id, "")],
-        )  # fmt: skip
+            args=[
+                token,
+                status,
+                note,
+                "" if exit_code is None else exit_code,
+                receipt_kind,
+                STREAM_MAXLEN,
+                RETENTION_SEC,
+                procs.hostname(),
+                "1" if fetch else "0",
+                self._end_keys.get(lease_id, ""),
+            ],
+        )
         _check(lease_id, res)
         self._end_keys.pop(lease_id, None)
         if not fetch:
@@ -299,10 +357,17 @@ class Leases:
         for lease_id, token, status, note in ends:
             self._reap(
                 keys=[k.lease(lease_id), k.lease_alive(lease_id), k.lease_expiry, k.receipts],
-                args=[token, status, note, receipt_kind, STREAM_MAXLEN, RETENTION_SEC,
-                      procs.hostname()],
+                args=[
+                    token,
+                    status,
+                    note,
+                    receipt_kind,
+                    STREAM_MAXLEN,
+                    RETENTION_SEC,
+                    procs.hostname(),
+                ],
                 client=pipe,
-            )  # fmt: skip
+            )
         return [None if int(res[0]) == 1 else _text(res[1]) for res in pipe.execute()]
 
     def get(self, lease_id: str) -> LeaseDoc | None:

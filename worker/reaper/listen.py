@@ -75,8 +75,11 @@ class Listener:
             self.enabled = True
         except redis_mod.ResponseError as exc:
             if self.enabled is not False:
-                log.info("reaper: keyspace events not enabled (%s); lapsed leases are found "
-                         "by the timed passes", exc)  # fmt: skip
+                log.info(
+                    "reaper: keyspace events not enabled (%s); lapsed leases are found "
+                    "by the timed passes",
+                    exc,
+                )
             self.enabled = False
 
     def _run(self) -> None:

@@ -40,8 +40,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("overnight.reaper")
 
-__all__ = ["RECEIPT_KIND", "Decision", "Facts", "PassReport", "decide", "lease_tag",
-           "reap_once", "run"]  # fmt: skip
+__all__ = [
+    "RECEIPT_KIND",
+    "Decision",
+    "Facts",
+    "PassReport",
+    "decide",
+    "lease_tag",
+    "reap_once",
+    "run",
+]
 
 RECEIPT_KIND = "subprocess_lease_expired"
 # Lapsed leases read per round trip; a pass pages through all of them.
@@ -189,17 +197,27 @@ def _reap_batch(
         else:
             d = decide(facts, host=host, boot=boot, now=now, hold_off=hold_off)
         if d.why in ("unproven", "never-attached") and doc is not None:
-            log.warning("lease=%s host=%s pid=%d: not signalling anything: %s", lease_id,
-                        doc.host, doc.holder_pid, facts.unproven)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s pid=%d: not signalling anything: %s",
+                lease_id,
+                doc.host,
+                doc.holder_pid,
+                facts.unproven,
+            )
         decisions.append((lease_id, doc, d))
 
     to_kill = [
-        Target(doc, proofs.get(doc.lease_id), d.signal_group and doc.lease_id in proofs,
-               groups.pop(doc.lease_id, None))
+        Target(
+            doc,
+            proofs.get(doc.lease_id),
+            d.signal_group and doc.lease_id in proofs,
+            groups.pop(doc.lease_id, None),
+        )
         for _, doc, d in decisions
-        if d.action == "reap" and doc is not None
+        if d.action == "reap"
+        and doc is not None
         and (doc.lease_id in proofs or doc.lease_id in groups)
-    ]  # fmt: skip
+    ]
     for group in groups.values():  # not reaped now (its supervisor acts): not ours to hold
         group.remove_handle()
     signalled: dict[str, int] = {}
@@ -232,8 +250,9 @@ def _reap_batch(
 
 def _record_survivors(client: redis.Redis, keys: Keys, lease_id: str, pids: list[int]) -> None:
     try:
-        receipts.emit(client, keys, receipts.SURVIVORS, lease_id=lease_id, pids=sorted(pids),
-                      writer="reaper")  # fmt: skip
+        receipts.emit(
+            client, keys, receipts.SURVIVORS, lease_id=lease_id, pids=sorted(pids), writer="reaper"
+        )
     except Exception:
         log.exception("lease=%s: cannot record the survivors %s", lease_id, pids)
 
@@ -253,18 +272,35 @@ def _record(
     if refused is not None:
         report.refused += 1
         report.actions.append(
-            ActionRecord(doc.lease_id, doc.host, doc.holder_pid, "refused", refused,
-                         signalled=signalled)
-        )  # fmt: skip
-        log.info("lease=%s host=%s pid=%d not ended: %s (someone else ended it first)",
-                 doc.lease_id, doc.host, doc.holder_pid, refused)  # fmt: skip
+            ActionRecord(
+                doc.lease_id, doc.host, doc.holder_pid, "refused", refused, signalled=signalled
+            )
+        )
+        log.info(
+            "lease=%s host=%s pid=%d not ended: %s (someone else ended it first)",
+            doc.lease_id,
+            doc.host,
+            doc.holder_pid,
+            refused,
+        )
         return
     report.ended += 1
     outcome = "reaped" if d.action == "reap" else "ended"
-    report.actions.append(ActionRecord(doc.lease_id, doc.host, doc.holder_pid, outcome, d.why,
-                                       d.status, d.note, signalled))  # fmt: skip
-    log.info("lease=%s host=%s pid=%d %s status=%s note=%r signalled=%d", doc.lease_id,
-             doc.host, doc.holder_pid, outcome, d.status, d.note, signalled)  # fmt: skip
+    report.actions.append(
+        ActionRecord(
+            doc.lease_id, doc.host, doc.holder_pid, outcome, d.why, d.status, d.note, signalled
+        )
+    )
+    log.info(
+        "lease=%s host=%s pid=%d %s status=%s note=%r signalled=%d",
+        doc.lease_id,
+        doc.host,
+        doc.holder_pid,
+        outcome,
+        d.status,
+        d.note,
+        signalled,
+    )
 
 
 def _prune(
@@ -291,8 +327,12 @@ def _prune(
         if group is not None:
             if group.populated():
                 ended = group.kill()
-                log.error("lease=%s host=%s: %d process(es) left in the cgroup of an ended "
-                          "lease; killed", lease_id, report.host, ended.killed)  # fmt: skip
+                log.error(
+                    "lease=%s host=%s: %d process(es) left in the cgroup of an ended lease; killed",
+                    lease_id,
+                    report.host,
+                    ended.killed,
+                )
             group.remove()
 
 
@@ -330,8 +370,9 @@ def run(
             if transient(exc):
                 wait = max(interval, redis_state.failed(exc))
             else:
-                log.exception("host=%s reaper pass failed; next pass in %.1fs",
-                              procs.hostname(), interval)  # fmt: skip
+                log.exception(
+                    "host=%s reaper pass failed; next pass in %.1fs", procs.hostname(), interval
+                )
         else:
             redis_state.ok()
             log.debug("%s", report.summary())

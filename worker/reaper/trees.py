@@ -97,8 +97,7 @@ def kill_trees(targets: list[Target], grace: float) -> tuple[dict[str, int], dic
             survivors.setdefault(lease_id, []).extend(ended.survivors)
         group.remove()
     for lease_id, pids in survivors.items():
-        log.error("lease=%s host=%s pids %s SURVIVED SIGKILL", lease_id, procs.hostname(),
-                  pids)  # fmt: skip
+        log.error("lease=%s host=%s pids %s SURVIVED SIGKILL", lease_id, procs.hostname(), pids)
     return counts, survivors
 
 

@@ -148,8 +148,13 @@ def not_run(exc: BaseException) -> bool:
     import redis
     from redis import exceptions as ex
 
-    refusals = (ex.OutOfMemoryError, ex.ReadOnlyError, ex.BusyLoadingError, ex.MasterDownError,
-                ex.TryAgainError)  # fmt: skip
+    refusals = (
+        ex.OutOfMemoryError,
+        ex.ReadOnlyError,
+        ex.BusyLoadingError,
+        ex.MasterDownError,
+        ex.TryAgainError,
+    )
     if isinstance(exc, refusals):
         return True
     return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
@@ -160,8 +165,9 @@ class Backoff:
     line), the waits double from ``first`` to ``cap``, and the first success after failures
     says so once."""
 
-    def __init__(self, what: str, logger: logging.Logger, *, first: float = 0.1,
-                 cap: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self, what: str, logger: logging.Logger, *, first: float = 0.1, cap: float = 5.0
+    ) -> None:
         self.what, self.log, self.first, self.cap = what, logger, first, cap
         self.failures = 0
         self.since = 0.0
@@ -174,16 +180,24 @@ class Backoff:
         """Record a transient failure; returns how long to wait before the next try."""
         if self.failures == 0:
             self.since = time.monotonic()
-            self.log.warning("%s: Redis unavailable (%s: %s); retrying with backoff",
-                             self.what, type(exc).__name__, _short(exc))  # fmt: skip
+            self.log.warning(
+                "%s: Redis unavailable (%s: %s); retrying with backoff",
+                self.what,
+                type(exc).__name__,
+                _short(exc),
+            )
         self.failures += 1
         return float(min(self.cap, self.first * 2.0 ** (self.failures - 1)))
 
     def ok(self) -> None:
         """Record a success: ends a run of failures (logged once)."""
         if self.failures:
-            self.log.warning("%s: Redis available again after %.1fs (%d failed tries)",
-                             self.what, time.monotonic() - self.since, self.failures)  # fmt: skip
+            self.log.warning(
+                "%s: Redis available again after %.1fs (%d failed tries)",
+                self.what,
+                time.monotonic() - self.since,
+                self.failures,
+            )
         self.failures = 0
 
 

@@ -167,9 +167,13 @@ class StepGroup:
                 self._freeze_and_kill()
             if time.monotonic() >= deadline:
                 report.survivors = tuple(self.pids())
-                log.error("cgroup %s: %d process(es) survived SIGKILL for %.1fs: %s",
-                          self.path, len(report.survivors), timeout,
-                          list(report.survivors))  # fmt: skip
+                log.error(
+                    "cgroup %s: %d process(es) survived SIGKILL for %.1fs: %s",
+                    self.path,
+                    len(report.survivors),
+                    timeout,
+                    list(report.survivors),
+                )
                 break
             sleep(0.005)
         report.seconds = time.monotonic() - started
@@ -251,8 +255,11 @@ def _unavailable(path: Path, exc: OSError) -> None:
     # path is all there is (a container's read-only /sys/fs/cgroup, say).
     if os.geteuid() == 0 and "unavailable" not in _said:
         _said.add("unavailable")
-        log.warning("cannot make step cgroups under %s (%s): trees are ended through /proc "
-                    "only", path.parent.parent, exc.strerror)  # fmt: skip
+        log.warning(
+            "cannot make step cgroups under %s (%s): trees are ended through /proc only",
+            path.parent.parent,
+            exc.strerror,
+        )
 
 
 def open_existing(namespace: str, lease_id: str) -> StepGroup | None:

@@ -32,8 +32,9 @@ ALLOWED = frozenset({"PATH", "LANG", "LANGUAGE", "TERM", "TZ"})
 ALLOWED_PREFIXES = ("LC_",)
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 CREDENTIALS = frozenset({"OVERNIGHT_REDIS_URL", "OVERNIGHT_LEASE_TOKEN"})
-RESERVED = frozenset({"HOME", "TMPDIR", "OVERNIGHT_LEASE_ID", "OVERNIGHT_TASK_ID",
-                      "OVERNIGHT_BEAT_SOCKET"})  # fmt: skip
+RESERVED = frozenset(
+    {"HOME", "TMPDIR", "OVERNIGHT_LEASE_ID", "OVERNIGHT_TASK_ID", "OVERNIGHT_BEAT_SOCKET"}
+)
 
 
 def is_credential(name: str) -> bool:

@@ -73,13 +73,15 @@ def decide(
         if found is None:
             raise StepUserRefused(STEP_USER, f"no such user {step_user!r} on this host")
         if found.uid == 0:
-            raise StepUserRefused(STEP_USER, f"{step_user!r} has uid 0; steps must not run "
-                                  "as root")  # fmt: skip
+            raise StepUserRefused(STEP_USER, f"{step_user!r} has uid 0; steps must not run as root")
         return found
     if euid == 0 and not allow_root:
-        raise StepUserRefused(STEP_USER, "overnight runs as root and no step user is set: set "
-                              f"it to an unprivileged user (or {ALLOW_ROOT}=1 to run steps as "
-                              "root)")  # fmt: skip
+        raise StepUserRefused(
+            STEP_USER,
+            "overnight runs as root and no step user is set: set "
+            f"it to an unprivileged user (or {ALLOW_ROOT}=1 to run steps as "
+            "root)",
+        )
     return None
 
 
@@ -134,8 +136,10 @@ def workdir_problem(path: str, user: StepUser) -> str | None:
     if not stat.S_ISDIR(info.st_mode):
         return f"{target} is not a folder"
     if not _allows(info, user, 3):
-        return (f"{user.name} cannot write {target} (owner uid {info.st_uid}, mode "
-                f"{stat.filemode(info.st_mode)})")  # fmt: skip
+        return (
+            f"{user.name} cannot write {target} (owner uid {info.st_uid}, mode "
+            f"{stat.filemode(info.st_mode)})"
+        )
     return None
 
 

@@ -155,23 +155,41 @@ class Child:
         wake = [signals.read_fd] if signals is not None else []
         in_group = None
         if self.group is not None:
-            in_group = self.group.end(grace, first_signal=first_signal, hurry=hurry,
-                                      wake_fds=wake, kill_timeout=KILL_TIMEOUT)  # fmt: skip
+            in_group = self.group.end(
+                grace,
+                first_signal=first_signal,
+                hurry=hurry,
+                wake_fds=wake,
+                kill_timeout=KILL_TIMEOUT,
+            )
             grace = 0.0
-        report = tree.end_tree(target, grace, first_signal=first_signal, hurry=hurry,
-                               wake_fds=wake, kill_timeout=KILL_TIMEOUT)  # fmt: skip
+        report = tree.end_tree(
+            target,
+            grace,
+            first_signal=first_signal,
+            hurry=hurry,
+            wake_fds=wake,
+            kill_timeout=KILL_TIMEOUT,
+        )
         if in_group is not None:
             report.via_cgroup = True
             report.in_group = in_group.signalled + in_group.killed
             report.survivors |= set(in_group.survivors)
             report.seconds += in_group.seconds
         if report.survivors:
-            log.error("%s: %d process(es) of the tree SURVIVED SIGKILL: %s", self.describe,
-                      len(report.survivors), sorted(report.survivors))  # fmt: skip
+            log.error(
+                "%s: %d process(es) of the tree SURVIVED SIGKILL: %s",
+                self.describe,
+                len(report.survivors),
+                sorted(report.survivors),
+            )
         if report.signalled or report.killed or report.in_group:
-            log.warning("%s: ended %d process(es) of the tree in %.2fs", self.describe,
-                        max(report.in_group, len(report.signalled | report.killed)),
-                        report.seconds)  # fmt: skip
+            log.warning(
+                "%s: ended %d process(es) of the tree in %.2fs",
+                self.describe,
+                max(report.in_group, len(report.signalled | report.killed)),
+                report.seconds,
+            )
         return report
 
     def reap(self) -> int:

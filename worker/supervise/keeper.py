@@ -134,8 +134,9 @@ class Keeper:
         try:
             self.leases.attach(self.lease_id, self.token, pid=pid, pgid=pid, start=ticks)
         except LeaseRefused as exc:
-            log.warning("lease=%s host=%s: attach refused: %s", self.lease_id, self.host,
-                        exc.reason)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s: attach refused: %s", self.lease_id, self.host, exc.reason
+            )
         except self.errors:
             self._unreachable(self.clock())
 
@@ -190,8 +191,12 @@ class Keeper:
         except self.errors:
             return None  # the lease's own probes and beats decide about an outage
         if seen.refused:
-            log.warning("lease=%s host=%s: the gateway refused a call (%s); ending the tree",
-                        self.lease_id, self.host, seen.refused)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s: the gateway refused a call (%s); ending the tree",
+                self.lease_id,
+                self.host,
+                seen.refused,
+            )
             return outcome.call_refused(seen.refused)
         if seen.progress_age is not None and seen.progress_age < self.gap:
             at = now - seen.progress_age
@@ -237,13 +242,18 @@ class Keeper:
             return None
         self.doc = doc
         reason = lapsed_reason(doc, server_now)
-        log.warning("lease=%s host=%s: lapsed (%s); ending the tree", self.lease_id, self.host,
-                    reason)  # fmt: skip
+        log.warning(
+            "lease=%s host=%s: lapsed (%s); ending the tree", self.lease_id, self.host, reason
+        )
         return outcome.lapsed(reason)
 
     def _lapsed_here(self, reason: str) -> Outcome:
-        log.warning("lease=%s host=%s: %s on the supervisor's clock; ending the tree",
-                    self.lease_id, self.host, reason)  # fmt: skip
+        log.warning(
+            "lease=%s host=%s: %s on the supervisor's clock; ending the tree",
+            self.lease_id,
+            self.host,
+            reason,
+        )
         return outcome.lapsed(reason)
 
     def _refused(self, reason: str) -> Outcome | None:
@@ -255,26 +265,39 @@ class Keeper:
         return self._lost(f"beat refused: {reason}")
 
     def _ended_elsewhere(self, status: str) -> Outcome:
-        log.warning("lease=%s host=%s: already ended (%s) by another writer; ending the tree",
-                    self.lease_id, self.host, status)  # fmt: skip
+        log.warning(
+            "lease=%s host=%s: already ended (%s) by another writer; ending the tree",
+            self.lease_id,
+            self.host,
+            status,
+        )
         return outcome.ended_elsewhere(status)
 
     def _lost(self, why: str) -> Outcome:
-        log.error("lease=%s host=%s: lease lost (%s); killing the tree", self.lease_id,
-                  self.host, why)  # fmt: skip
+        log.error(
+            "lease=%s host=%s: lease lost (%s); killing the tree", self.lease_id, self.host, why
+        )
         return outcome.lost()
 
     def _unreachable(self, t: float) -> None:
         if self.unreachable_since is None:
             self.unreachable_since = t
-            log.warning("lease=%s host=%s: Redis unreachable; the child keeps running for "
-                        "up to %.1fs", self.lease_id, self.host, self.gap)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s: Redis unreachable; the child keeps running for up to %.1fs",
+                self.lease_id,
+                self.host,
+                self.gap,
+            )
         self.retry_at = self.clock() + self.retry_interval
 
     def _reachable(self) -> None:
         if self.unreachable_since is not None:
-            log.warning("lease=%s host=%s: Redis reachable again after %.2fs", self.lease_id,
-                        self.host, self.clock() - self.unreachable_since)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s: Redis reachable again after %.2fs",
+                self.lease_id,
+                self.host,
+                self.clock() - self.unreachable_since,
+            )
             self.unreachable_since = None
 
     # --- the end ----------------------------------------------------------------------------
@@ -292,24 +315,39 @@ class Keeper:
         give_up = max(since + self.gap, now + (max(self.gap, 1.0) if ended.lost else 0))
         while True:
             try:
-                doc = self.leases.end(self.lease_id, self.token, ended.status, ended.note,
-                                      exit_code=ended.exit_code,
-                                      receipt_kind=ended.receipt_kind, fetch=True)  # fmt: skip
+                doc = self.leases.end(
+                    self.lease_id,
+                    self.token,
+                    ended.status,
+                    ended.note,
+                    exit_code=ended.exit_code,
+                    receipt_kind=ended.receipt_kind,
+                    fetch=True,
+                )
                 return True, ended, doc if doc is not None else self._final_doc(ended)
             except LeaseRefused as exc:
-                log.warning("lease=%s host=%s: end refused: %s", self.lease_id, self.host,
-                            exc.reason)  # fmt: skip
+                log.warning(
+                    "lease=%s host=%s: end refused: %s", self.lease_id, self.host, exc.reason
+                )
                 return False, ended, self._final_doc(ended)
             except LeaseCorrupt as exc:
-                log.warning("lease=%s host=%s: ended, but the record reads back wrong: %s",
-                            self.lease_id, self.host, exc)  # fmt: skip
+                log.warning(
+                    "lease=%s host=%s: ended, but the record reads back wrong: %s",
+                    self.lease_id,
+                    self.host,
+                    exc,
+                )
                 return True, ended, self._final_doc(ended)
             except self.errors:
                 if self.clock() >= give_up:
                     break
                 time.sleep(self.retry_interval)
-        log.error("lease=%s host=%s: could not record the end (%s); lease lost",
-                  self.lease_id, self.host, ended.note)  # fmt: skip
+        log.error(
+            "lease=%s host=%s: could not record the end (%s); lease lost",
+            self.lease_id,
+            self.host,
+            ended.note,
+        )
         if not ended.lost:
             ended = outcome.lost()
         return False, ended, self._final_doc(ended)

@@ -185,9 +185,15 @@ class _Run:
             note=spec.note,
         )
         self.lease_id = doc.lease_id
-        self.keeper = Keeper(self.leases, doc, gap=spec.gap, deadline=spec.deadline,
-                             beat_while_alive=spec.beat_while_alive, host=self.host,
-                             now=started)  # fmt: skip
+        self.keeper = Keeper(
+            self.leases,
+            doc,
+            gap=spec.gap,
+            deadline=spec.deadline,
+            beat_while_alive=spec.beat_while_alive,
+            host=self.host,
+            now=started,
+        )
         self._mirror(doc)
         log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
         with subreaper():
@@ -215,20 +221,38 @@ class _Run:
             self.home = stepenv.make_home(self.lease_id, spec.user, spec.home_files)
             if spec.contain:
                 self.group = cgroup.create(self.keys.namespace, self.lease_id)
-            env = stepenv.step_environment(os.environ, spec.env, lease_id=self.lease_id,
-                                           task_id=spec.task_id, home=self.home,
-                                           channel=self.channel.environment(),
-                                           gateway=self._gateway_env())  # fmt: skip
-            self.child = Child(spec.argv, cwd=spec.cwd, env=env, on_output=self.on_output,
-                               describe=f"lease={self.lease_id} host={self.host}",
-                               stdin_data=spec.stdin_data, user=spec.user,
-                               group=self.group)  # fmt: skip
+            env = stepenv.step_environment(
+                os.environ,
+                spec.env,
+                lease_id=self.lease_id,
+                task_id=spec.task_id,
+                home=self.home,
+                channel=self.channel.environment(),
+                gateway=self._gateway_env(),
+            )
+            self.child = Child(
+                spec.argv,
+                cwd=spec.cwd,
+                env=env,
+                on_output=self.on_output,
+                describe=f"lease={self.lease_id} host={self.host}",
+                stdin_data=spec.stdin_data,
+                user=spec.user,
+                group=self.group,
+            )
         except OSError as exc:
-            log.warning("lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host,
-                        spec.argv[0], exc)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host, spec.argv[0], exc
+            )
             return outcome.not_started(exc)
-        proof.write(self.keys.namespace, self.lease_id, self.keeper.token, self.child.pid,
-                    self.child.ticks, self.group.path if self.group else None)  # fmt: skip
+        proof.write(
+            self.keys.namespace,
+            self.lease_id,
+            self.keeper.token,
+            self.child.pid,
+            self.child.ticks,
+            self.group.path if self.group else None,
+        )
         self.keeper.attach(self.child.pid, self.child.ticks)
         self._mirror(self.keeper.doc)
         if spec.lease_file:  # the child may beat by rewriting it (worker.lease.file)
@@ -297,8 +321,7 @@ class _Run:
         try:
             self.leases.set_note(self.lease_id, self.keeper.token, note)
         except LeaseRefused as exc:  # the lease is ending: the keeper finds out and says why
-            log.warning("lease=%s host=%s: note refused: %s", self.lease_id, self.host,
-                        exc.reason)  # fmt: skip
+            log.warning("lease=%s host=%s: note refused: %s", self.lease_id, self.host, exc.reason)
         except redis_errors():
             if self.note is None:  # a newer note replaces this one
                 self.note = note
@@ -310,9 +333,9 @@ class _Run:
         if grant is None:
             return None
         ttl = self.spec.deadline + self.spec.gap + 60
-        self.gateway_token, env = gateway_grant.mint(self.client, self.keys, self.lease_id,
-                                                     self.keeper.token, grant, ttl,
-                                                     self.spec.gap)  # fmt: skip
+        self.gateway_token, env = gateway_grant.mint(
+            self.client, self.keys, self.lease_id, self.keeper.token, grant, ttl, self.spec.gap
+        )
         self.keeper.gateway = gateway_grant.watch(self.client, self.keys, self.lease_id)
         return env
 
@@ -337,8 +360,9 @@ class _Run:
         return self.signals.pending[0]
 
     def _signal_outcome(self, sig: int) -> Outcome:
-        log.warning("lease=%s host=%s: got signal %d; ending the tree", self.lease_id,
-                    self.host, sig)  # fmt: skip
+        log.warning(
+            "lease=%s host=%s: got signal %d; ending the tree", self.lease_id, self.host, sig
+        )
         return outcome.by_signal(sig)
 
     # --- the end ----------------------------------------------------------------------------
@@ -346,28 +370,41 @@ class _Run:
     def _kill_tree(self, ended: Outcome) -> tree.KillReport | None:
         if self.child is None:
             return None
-        report = self.child.end_tree(self.lease_id, self.spec.grace, ended.first_signal,
-                                     self.signals)  # fmt: skip
+        report = self.child.end_tree(
+            self.lease_id, self.spec.grace, ended.first_signal, self.signals
+        )
         if report.survivors:
             self._report_survivors(report)
         return report
 
     def _report_survivors(self, report: tree.KillReport) -> None:
         # Loudly, and on the record: the morning-after view must show a tree that did not die.
-        log.error("lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
-                  self.lease_id, self.host, self.spec.task_id, len(report.survivors),
-                  sorted(report.survivors))  # fmt: skip
+        log.error(
+            "lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
+            self.lease_id,
+            self.host,
+            self.spec.task_id,
+            len(report.survivors),
+            sorted(report.survivors),
+        )
         from overnight.worker.redisio import (
             receipts,  # pydantic: not on the fast path of every step
         )
 
         try:
-            receipts.emit(self.client, self.keys, receipts.SURVIVORS, lease_id=self.lease_id,
-                          task_id=self.spec.task_id, pids=sorted(report.survivors),
-                          via="cgroup" if report.via_cgroup else "proc")  # fmt: skip
+            receipts.emit(
+                self.client,
+                self.keys,
+                receipts.SURVIVORS,
+                lease_id=self.lease_id,
+                task_id=self.spec.task_id,
+                pids=sorted(report.survivors),
+                via="cgroup" if report.via_cgroup else "proc",
+            )
         except redis_errors() as exc:
-            log.error("lease=%s host=%s: cannot record the survivors: %s", self.lease_id,
-                      self.host, exc)  # fmt: skip
+            log.error(
+                "lease=%s host=%s: cannot record the survivors: %s", self.lease_id, self.host, exc
+            )
 
     def _finish(self, ended: Outcome, started: float) -> SupervisedResult:
         child = self.child
@@ -385,8 +422,15 @@ class _Run:
         ended_here, ended, doc = self.keeper.end(ended)
         self._mirror(doc)
         self._close_step_env()  # after the end is written: a big scratch HOME takes a while
-        log.info("lease=%s host=%s task=%s: ended %s/%s, exit %d", self.lease_id, self.host,
-                 self.spec.task_id, doc.status, doc.note, ended.exit_code)  # fmt: skip
+        log.info(
+            "lease=%s host=%s task=%s: ended %s/%s, exit %d",
+            self.lease_id,
+            self.host,
+            self.spec.task_id,
+            doc.status,
+            doc.note,
+            ended.exit_code,
+        )
         return SupervisedResult(
             exit_code=ended.exit_code,
             doc=doc,
@@ -399,8 +443,13 @@ class _Run:
         )
 
     def _abort(self, exc: BaseException) -> None:
-        log.error("lease=%s host=%s: supervisor failed (%s: %s); ending the tree",
-                  self.lease_id, self.host, type(exc).__name__, exc)  # fmt: skip
+        log.error(
+            "lease=%s host=%s: supervisor failed (%s: %s); ending the tree",
+            self.lease_id,
+            self.host,
+            type(exc).__name__,
+            exc,
+        )
         with contextlib.suppress(Exception):
             ended = outcome.aborted(exc)
             self._kill_tree(ended)
@@ -419,8 +468,9 @@ class _Run:
             if self.watch is not None:
                 self.watch.wrote(public)
         except OSError as exc:
-            log.warning("lease=%s host=%s: cannot write %s: %s", self.lease_id, self.host,
-                        path, exc)  # fmt: skip
+            log.warning(
+                "lease=%s host=%s: cannot write %s: %s", self.lease_id, self.host, path, exc
+            )
 
 
 __all__ = [
