@@ -78,7 +78,7 @@ def _lease_host(cwd: Path, env: dict[str, str]) -> tuple[str, str]:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    code = "from overnight.worker import procs; print(procs.hostname())"
+    code = "from overnight.worker.supervise import procs; print(procs.hostname())"
     here = subprocess.run(
         [sys.executable, "-c", code],
         cwd=cwd,
