@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 $(BIN)/overnight: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ lint: $(BIN)/overnight
 	for f in overnight/*; do ln -s ../../../$$f build/typecheck/overnight/; done
 	for d in config worker coordinator; do ln -s ../../../$$d build/typecheck/overnight/$$d; done
 	$(BIN)/mypy
+
+# The reference in docs/, built as a site under build/site; --strict fails on a broken link.
+$(BIN)/mkdocs: $(BIN)/overnight
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(BIN)/mkdocs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(BIN)/overnight
 	$(BIN)/python -m bench.all
