@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from overnight.config.errors import OvernightError
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_REFUSED = 2  # refused, or a lease that ran past its deadline
@@ -12,7 +14,7 @@ EXIT_REDIS_DOWN = 69
 EXIT_BAD_CONFIG = 78
 
 
-class CommandError(Exception):
+class CommandError(OvernightError):
     """End the command with ``exit_code`` after printing ``message`` (one line) to stderr."""
 
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:

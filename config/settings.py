@@ -15,6 +15,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from overnight.config import validate
+from overnight.config.errors import OvernightError
 from overnight.config.validate import ENV_PREFIX, NAME_RE, RULES, mask_url
 
 __all__ = ["NAME_RE", "ConfigError", "Settings", "check_redis_url", "load_settings", "mask_url"]
@@ -22,7 +23,7 @@ _SECRET_FIELDS = {"model_api_key", "anthropic_api_key", "redis_url"}
 _ENV_NAMES = {"model_url": "OVERNIGHT_MODEL_URL (or MODEL_URL)"}
 
 
-class ConfigError(Exception):
+class ConfigError(OvernightError):
     """A setting is unusable. ``str()`` is one line naming the variable and the problem."""
 
     def __init__(self, variable: str, problem: str) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import re
 from datetime import datetime, timedelta
 
+from overnight.config.errors import OvernightError
+
 _CLOCK = re.compile(r"(\d{1,2}):(\d{2})(?::(\d{2}))?")
 
 
-class StopAtError(ValueError):
+class StopAtError(OvernightError, ValueError):
     """Not a time; or (``in_past``) a date-time that has already passed."""
 
     def __init__(self, message: str, *, in_past: bool = False) -> None:

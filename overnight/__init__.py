@@ -4,6 +4,7 @@ The public Python API::
 
     from overnight import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
     from overnight import beat, pulse, run_agent_loop
+    from overnight import OvernightError  # every refusal the project raises derives from it
 
 Names load on first use, so ``import overnight`` (and every ``overnight`` command) stays
 fast: the supervisor's start-up path never pays for the envelope or RQ.
@@ -15,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from overnight.config.errors import OvernightError
     from overnight.worker.beat.pulse import NoLease, beat, pulse
     from overnight.worker.envelope.envelope import (
         CallEnvelope,
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from overnight.worker.lease.store import LeaseRefused
 
 _WHERE = {
+    "OvernightError": "overnight.config.errors",
     "CallEnvelope": "overnight.worker.envelope.envelope",
     "EnvelopeEmpty": "overnight.worker.envelope.envelope",
     "EnvelopeRefused": "overnight.worker.envelope.envelope",
@@ -51,6 +54,7 @@ __all__ = [
     "LeaseRefused",
     "LoopResult",
     "NoLease",
+    "OvernightError",
     "beat",
     "gated",
     "pulse",

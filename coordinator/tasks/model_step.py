@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from overnight.config.errors import OvernightError
+
 SYSTEM = (
     "You are the agent step of an unattended task. Answer with what to change so that "
     "the failing checks pass. Be concise."
@@ -108,7 +110,7 @@ def _settings() -> ModelSettings:
     return ModelSettings(s.model_url, key, s.model_name, s.model_timeout)
 
 
-class ModelError(Exception):
+class ModelError(OvernightError):
     """The model endpoint did not give a usable answer (one line, no secret)."""
 
 

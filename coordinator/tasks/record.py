@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from overnight.config.errors import OvernightError
 from overnight.coordinator.tasks.states import RUNNING, State
 from overnight.coordinator.tasks.taskfile import TaskSpec
 from overnight.worker.redisio.receipts import Receipt
@@ -188,7 +189,7 @@ class TaskRecord(BaseModel):
         )
 
 
-class TaskCorrupt(ValueError):
+class TaskCorrupt(OvernightError, ValueError):
     """A task record in Redis is missing a field or holds one that does not parse."""
 
     def __init__(self, task_id: str, exc: Exception) -> None:

@@ -15,6 +15,7 @@ from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
+from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 
 # The record's shapes, re-exported: callers that only read tasks import them from here too.
@@ -83,7 +84,7 @@ class Begun(NamedTuple):
     now: float
 
 
-class TaskRefused(Exception):
+class TaskRefused(OvernightError):
     """A task script refused a write; ``reason`` says why and ``state`` names the state that
     made it refuse (the record's for ``state``, the target's for ``illegal``)."""
 

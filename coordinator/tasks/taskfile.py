@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from overnight.config.errors import OvernightError
 from overnight.coordinator import agents
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base
@@ -189,7 +190,7 @@ class TaskSpec(BaseModel):
         return self.heartbeat_gap if self.heartbeat_gap is not None else default
 
 
-class TaskFileError(Exception):
+class TaskFileError(OvernightError):
     """One or more task files are invalid; ``problems`` holds one line per problem."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from overnight.config.errors import OvernightError
 from overnight.coordinator.workspace import checkout
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.checkout import Checked
@@ -31,7 +32,7 @@ log = logging.getLogger("overnight.workspace")
 SYNTHETIC_RULE = "protected-paths"
 
 
-class WorkspaceError(Exception):
+class WorkspaceError(OvernightError):
     """What an agent step left cannot be verified (the task pauses for a person)."""
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from overnight.config.errors import OvernightError
+
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
 
@@ -174,7 +176,7 @@ def clean_path(path: str, forbidden: Iterable[str]) -> str:
 # --- the git runner ---------------------------------------------------------------------------
 
 
-class GitError(Exception):
+class GitError(OvernightError):
     """A git command failed; the message is its first line of stderr."""
 
 

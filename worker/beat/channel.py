@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from overnight.config.errors import OvernightError
 from overnight.worker.lease.store import LeaseRefused
 from overnight.worker.supervise.procs import Proc, read_proc
 
@@ -59,11 +60,11 @@ _SUN_PATH_MAX = 107
 _running_roots: set[int] = set()  # children of the steps this process runs now
 
 
-class NoChannel(LookupError):
+class NoChannel(OvernightError, LookupError):
     """This process does not run under a lease (no beat channel in its environment)."""
 
 
-class ChannelDown(OSError):
+class ChannelDown(OvernightError, OSError):
     """The supervisor did not answer in time."""
 
 

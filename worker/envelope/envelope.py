@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 import redis
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.config.settings import NAME_RE
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
@@ -66,7 +67,7 @@ class EnvelopeState(BaseModel):
         return data
 
 
-class EnvelopeRefused(Exception):
+class EnvelopeRefused(OvernightError):
     """A call was not allowed. Catch this to halt on any refusal, Redis outage included."""
 
     kind: str
@@ -114,7 +115,7 @@ class EnvelopeUnavailable(EnvelopeRefused):
         super().__init__(f"envelope unavailable; refused {kind} call; Redis unreachable: {detail}")
 
 
-class ReservationLost(Exception):
+class ReservationLost(OvernightError):
     """A commit found no open reservation: it expired (and was refunded), was already
     settled, or the envelope was reset since."""
 

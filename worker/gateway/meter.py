@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.worker.gateway.grant import digest
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
@@ -46,7 +47,7 @@ class Hold:
     prepaid: bool
 
 
-class Refused(Exception):
+class Refused(OvernightError):
     """The request may not be forwarded: ``reason`` as the reserve script names it."""
 
     def __init__(self, reason: str, detail: str) -> None:

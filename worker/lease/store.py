@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.worker.redisio.scripts import register
 from overnight.worker.supervise import procs
@@ -73,7 +74,7 @@ _REQUIRED = (
 )
 
 
-class LeaseRefused(Exception):
+class LeaseRefused(OvernightError):
     """A lease transition was refused; ``reason`` is the script's word for why."""
 
     def __init__(self, lease_id: str, reason: str) -> None:
@@ -82,7 +83,7 @@ class LeaseRefused(Exception):
         self.reason = reason
 
 
-class LeaseCorrupt(ValueError):
+class LeaseCorrupt(OvernightError, ValueError):
     """A lease record in Redis is missing a field or holds a value of the wrong type."""
 
 
