@@ -19,6 +19,7 @@ from overnight.coordinator.night.embedded_redis import (
     find_redis_server,
 )
 from overnight.worker.sandbox.stepuser import StepUser, lookup
+from tests.helpers import lacking
 
 # Tests run steps as whoever runs pytest (root in CI) unless they ask for the step user
 # (the `step_user` fixture): pytest's own tmp folders are root's and 0700, which a step
@@ -33,6 +34,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     except RedisBinaryMissing as exc:
         pytest.exit(str(exc), returncode=3)
     os.environ.update(ROOT_OPT_IN)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "capability(missing): needs a capability; missing (a reason, or None) skips the "
+        "test locally and fails it under CI=true (tests.helpers.capability)",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("capability"):
+        if mark.args and mark.args[0]:
+            lacking(str(mark.args[0]))
 
 
 @pytest.fixture(scope="session")

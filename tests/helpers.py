@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 
@@ -25,6 +25,26 @@ T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
+
+
+def in_ci() -> bool:
+    """True under CI (``CI=true``), where every capability the suite tests is expected."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def lacking(reason: str) -> NoReturn:
+    """This machine lacks what the test needs: skip it locally, fail it in CI, where a
+    skip would read as a pass."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: expected here, so this is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+def capability(missing: str | None) -> pytest.MarkDecorator:
+    """Mark a test as needing a capability; ``missing`` says why it is absent (None: present).
+    tests/conftest.py's setup hook calls :func:`lacking` for it: a skip locally, a failure
+    in CI."""
+    return pytest.mark.capability(missing)
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:

@@ -32,10 +32,10 @@ from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
 from tests.agent_tasks import trap as trap
 from tests.agent_tasks import where as where
-from tests.helpers import ROOT, seen
+from tests.helpers import ROOT, capability, seen
 
-needs_aider = pytest.mark.skipif(
-    shutil.which("aider") is None, reason="aider (PyPI aider-chat) is not installed"
+needs_aider = capability(
+    None if shutil.which("aider") else "aider (PyPI aider-chat) is not installed"
 )
 # aider's "whole" edit format: the file's path alone on a line, then the new file, fenced.
 FIX = "Fixing.\n\nfile.txt\n```\nfixed\n```\n"

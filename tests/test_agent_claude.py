@@ -35,10 +35,10 @@ from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
 from tests.agent_tasks import trap as trap
 from tests.agent_tasks import where as where
-from tests.helpers import ROOT, seen
+from tests.helpers import ROOT, capability, seen
 
-needs_claude = pytest.mark.skipif(
-    shutil.which("claude") is None, reason="claude (Claude Code) is not installed"
+needs_claude = capability(
+    None if shutil.which("claude") else "claude (Claude Code) is not installed"
 )
 # A task with claude as its agent; the gateway's Anthropic route goes to the upstream.
 CLAUDE: dict[str, Any] = {

@@ -29,9 +29,9 @@ from tests.agent_tasks import (
 from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
 from tests.agent_tasks import trap as trap
-from tests.helpers import ROOT, seen
+from tests.helpers import ROOT, capability, seen
 
-needs_codex = pytest.mark.skipif(shutil.which("codex") is None, reason="codex is not installed")
+needs_codex = capability(None if shutil.which("codex") else "codex is not installed")
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -31,9 +31,9 @@ from tests.agent_tasks import (
 from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
 from tests.agent_tasks import trap as trap
-from tests.helpers import ROOT, seen
+from tests.helpers import ROOT, capability, seen
 
-needs_mini = pytest.mark.skipif(shutil.which("mini") is None, reason="mini is not installed")
+needs_mini = capability(None if shutil.which("mini") else "mini is not installed")
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from overnight.worker.sandbox import cgroup
-from tests.helpers import pid_alive, wait_for
+from tests.helpers import capability, pid_alive, wait_for
 
-pytestmark = pytest.mark.skipif(
-    not cgroup.available(), reason="this host or user cannot create cgroup v2 groups"
+pytestmark = capability(
+    None if cgroup.available() else "this host or user cannot create cgroup v2 groups"
 )
 
 HOP = textwrap.dedent(

@@ -29,7 +29,7 @@ from overnight.config.keys import Keys
 from overnight.worker.sandbox import cgroup
 from overnight.worker.sandbox.stepuser import StepUser, lookup
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
-from tests.helpers import OVERNIGHT, final_doc, wait_for
+from tests.helpers import OVERNIGHT, capability, final_doc, wait_for
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 HAS_CGROUP = cgroup.available()
@@ -155,7 +155,7 @@ def ran(stage: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not HAS_CGROUP, reason="no cgroup v2 here: the control needs one")
+@capability(None if HAS_CGROUP else "no cgroup v2 here: the control needs one")
 @pytest.mark.parametrize("mode", MODES)
 def test_control_without_overnight_the_escapees_outlive_their_step(
     mode: str, stage: Path, step_user: StepUser

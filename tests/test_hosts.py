@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from overnight.config.keys import Keys
-from tests.helpers import task_file, wait_for
+from tests.helpers import lacking, task_file, wait_for
 from tests.hosts import Cluster, cluster, namespaces_refused, overlaps, runs, write_agent
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ HOST_TTL = 2.0  # tests.hosts.FAST's OVERNIGHT_REAPER_HOST_TTL
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Any]:
     if REFUSED:
-        pytest.skip(REFUSED)
+        lacking(REFUSED)
     stack: list[Any] = []
 
     def make(hosts: int) -> Cluster:
