@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     # Who steps run as when overnight runs as root; running them as root needs the opt-in.
     step_user: str | None = None
     allow_root_steps: bool = False
+    # Each step in a bubblewrap sandbox of its own ("bwrap"), or only the older containment
+    # ("off", said at start); "bwrap" where no sandbox can start is exit 78.
+    sandbox: str = "off"
     # This host's id in leases, reaper heartbeats, receipts and proofs (unset: the host name).
     host_id: str | None = None
     # overnight's own folder on this host: task worktrees, verifier checkouts, snapshots

@@ -214,6 +214,16 @@ def flag(value: object) -> bool:
     raise ValueError("must be 1, true, yes, on, 0, false, no or off")
 
 
+SANDBOX_MODES = ("bwrap", "off")
+
+
+def sandbox_mode(value: object) -> str:
+    """How steps are contained: ``bwrap`` (a sandbox each) or ``off``."""
+    if isinstance(value, str) and value.strip().lower() in SANDBOX_MODES:
+        return value.strip().lower()
+    raise ValueError("must be bwrap or off")
+
+
 def optional(rule: Callable[[object], object]) -> Callable[[object], object]:
     """``rule``, with None (unset) allowed."""
 
@@ -270,6 +280,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "recovery_interval": positive,
     "step_user": user_name,
     "allow_root_steps": flag,
+    "sandbox": sandbox_mode,
     "host_id": host_id,
     "state_dir": optional(text),
     "stop_at": stop_at,
@@ -289,6 +300,7 @@ class QuickSettings:
     grace: float = 5.0
     step_user: str | None = None
     allow_root_steps: bool = False
+    sandbox: str = "off"
 
 
 def read_fast(environ: Mapping[str, str], dotenv: bool | None = None) -> QuickSettings | None:

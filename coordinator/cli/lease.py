@@ -43,6 +43,7 @@ def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
         s.grace,
         s.step_user,
         s.allow_root_steps,
+        s.sandbox,
     )
 
 
@@ -201,12 +202,14 @@ def _supervise(
 ) -> int:
     from overnight.config.keys import Keys
     from overnight.worker.lease.store import LeaseRefused
+    from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import decide
     from overnight.worker.supervise import supervisor
 
     assert isinstance(catcher, supervisor.SignalCatcher)
     s = quick_settings()
     user = decide(s.step_user, s.allow_root_steps, os.geteuid())  # exit 78 if it cannot be
+    sandbox = launch.require(s.sandbox, user)  # exit 78 if one is asked for and cannot start
     spec = supervisor.StepSpec(
         argv=argv,
         deadline=_seconds("--deadline", deadline, s.deadline),
@@ -218,6 +221,7 @@ def _supervise(
         beat_while_alive=beat_while_alive,
         env=step_env_options(env_items, os.environ),
         user=user,
+        sandbox=sandbox,
     )
     client = supervisor.client_for_url(s.redis_url, spec.gap)
     try:

@@ -82,11 +82,13 @@ class Child:
         stdin_data: bytes | None = None,
         user: StepUser | None = None,
         group: StepGroup | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         """Start ``argv`` with stdin from /dev/null, or from a pipe that already holds all of
         ``stdin_data`` (written and closed before the child starts, so it never waits on
         us); as ``user`` if given, inside ``group`` if given (moved there between fork and
-        exec, so nothing it runs is ever outside it); raises OSError if it cannot start."""
+        exec, so nothing it runs is ever outside it), with ``pass_fds`` inherited; raises
+        OSError if it cannot start."""
         stdin: int = subprocess.DEVNULL
         if stdin_data is not None:
             stdin = _filled_pipe(stdin_data)
@@ -106,6 +108,7 @@ class Child:
                 user=user.uid if user is not None else None,
                 group=user.gid if user is not None else None,
                 extra_groups=list(user.groups) if user is not None else None,
+                pass_fds=pass_fds,
             )
         finally:
             if stdin_data is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from overnight.config.keys import Keys
-from overnight.worker.beat.channel import Beat, Channel
+from overnight.worker.beat.channel import SOCKET_VAR, Beat, Channel
 from overnight.worker.gateway import grant as gateway_grant
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.lease import file as leasefile
@@ -50,6 +50,9 @@ from overnight.worker.supervise.signals import FORWARDED, SignalCatcher
 if TYPE_CHECKING:
     import redis
 
+    from overnight.worker.sandbox.bwrap import Network
+    from overnight.worker.sandbox.launch import Prepared
+    from overnight.worker.sandbox.relay import Relay
     from overnight.worker.sandbox.stepuser import StepUser
 
 log = logging.getLogger("overnight.supervisor")
@@ -92,6 +95,15 @@ class StepSpec:
     grant: Grant | None = None
     # Written into the step's scratch HOME before it starts (an agent preset's config files).
     home_files: dict[str, str] | None = None
+    # In a bubblewrap sandbox of its own (worker.sandbox.launch): the worktree (default:
+    # cwd) read-write, ``readable``/``writable`` paths bound in, its network only the gateway
+    # (reached through ``gateway_socket``, else a per-step relay to the grant's base_url).
+    sandbox: bool = False
+    worktree: str | None = None
+    readable: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+    network: Network = "none"
+    gateway_socket: str | None = None
 
 
 @dataclass
@@ -172,6 +184,7 @@ class _Run:
         self.lease_id = ""
         self.gateway_token: str | None = None
         self.watch: leasefile.LeaseFileWatch | None = None
+        self.relay: Relay | None = None
 
     def run(self) -> SupervisedResult:
         started = time.monotonic()
@@ -218,7 +231,8 @@ class _Run:
                 return self._refuse_start(f"the step user cannot use the workdir: {problem}")
         try:
             self.channel = Channel(self.lease_id)
-            self.home = stepenv.make_home(self.lease_id, spec.user, spec.home_files)
+            if not spec.sandbox:
+                self.home = stepenv.make_home(self.lease_id, spec.user, spec.home_files)
             if spec.contain:
                 self.group = cgroup.create(self.keys.namespace, self.lease_id)
             env = stepenv.step_environment(
@@ -230,16 +244,25 @@ class _Run:
                 channel=self.channel.environment(),
                 gateway=self._gateway_env(),
             )
-            self.child = Child(
-                spec.argv,
-                cwd=spec.cwd,
-                env=env,
-                on_output=self.on_output,
-                describe=f"lease={self.lease_id} host={self.host}",
-                stdin_data=spec.stdin_data,
-                user=spec.user,
-                group=self.group,
-            )
+            argv, user, ready = spec.argv, spec.user, None
+            if spec.sandbox:
+                ready = self._sandboxed(env)
+                argv, env, user = ready.argv, ready.env, None  # setpriv takes the uid
+            try:
+                self.child = Child(
+                    argv,
+                    cwd=spec.cwd,
+                    env=env,
+                    on_output=self.on_output,
+                    describe=f"lease={self.lease_id} host={self.host}",
+                    stdin_data=spec.stdin_data,
+                    user=user,
+                    group=self.group,
+                    pass_fds=ready.pass_fds if ready is not None else (),
+                )
+            finally:
+                if ready is not None:
+                    ready.close()
         except OSError as exc:
             log.warning(
                 "lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host, spec.argv[0], exc
@@ -327,6 +350,34 @@ class _Run:
                 self.note = note
         self.note_at = time.monotonic() + self.keeper.min_interval
 
+    def _sandboxed(self, env: dict[str, str]) -> Prepared:
+        from overnight.worker.sandbox import launch, relay
+
+        spec = self.spec
+        cwd = spec.cwd or os.getcwd()
+        socket, port = None, None
+        if spec.grant is not None and spec.network != "host":
+            port = relay.url_port(spec.grant.base_url)
+            socket = spec.gateway_socket
+            if socket is None:
+                self.relay = relay.Relay(self.lease_id, "127.0.0.1", port)
+                socket = self.relay.path
+        beat = env.get(SOCKET_VAR)
+        return launch.prepare(
+            spec.argv,
+            cwd=cwd,
+            worktree=spec.worktree or cwd,
+            user=spec.user,
+            env=env,
+            home_files=spec.home_files,
+            readable=spec.readable,
+            writable=spec.writable,
+            sockets=(beat,) if beat else (),
+            network=spec.network,
+            gateway_socket=socket,
+            gateway_port=port,
+        )
+
     def _gateway_env(self) -> dict[str, str] | None:
         # A per-lease token, revoked with the step; the keeper watches what the gateway saw.
         grant = self.spec.grant
@@ -347,6 +398,9 @@ class _Run:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.home is not None:
             stepenv.remove_home(self.home)
             self.home = None

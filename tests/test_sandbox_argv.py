@@ -1,0 +1,156 @@
+"""The sandbox's launch argv (pure), as tables: what is bound, how, and in which order."""
+
+from __future__ import annotations
+
+import pytest
+
+from overnight.worker.sandbox.bwrap import (
+    GATEWAY_SOCKET,
+    HomeFile,
+    SandboxSpec,
+    group_text,
+    launch_argv,
+    passwd_text,
+)
+
+TOP = {"usr": None, "bin": "usr/bin", "lib": "usr/lib", "etc": None}
+
+
+def spec(**more: object) -> SandboxSpec:
+    base: dict[str, object] = {
+        "argv": ("agent", "--go"),
+        "worktree": "/state/wt/t1",
+        "cwd": "/state/wt/t1/sub",
+        "uid": 2001,
+        "gid": 2001,
+        "home": "/home/step",
+        "passwd_fd": 3,
+        "group_fd": 4,
+        "top": TOP,
+    }
+    base.update(more)
+    return SandboxSpec(**base)  # type: ignore[arg-type]
+
+
+def pairs(argv: list[str], option: str) -> list[tuple[str, str]]:
+    """Every ``option A B`` in ``argv``, as (A, B)."""
+    return [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a == option]
+
+
+def tail(argv: list[str]) -> list[str]:
+    """What bwrap runs: everything after bwrap's own ``--``."""
+    start = argv.index("--chdir")
+    return argv[argv.index("--", start) + 1 :]
+
+
+@pytest.mark.parametrize(
+    ("more", "head"),
+    [
+        ({}, ["bwrap", "--die-with-parent", "--new-session"]),
+        (
+            {"switch_uid": True},
+            [
+                "setpriv",
+                "--reuid=2001",
+                "--regid=2001",
+                "--clear-groups",
+                "--",
+                "bwrap",
+                "--die-with-parent",
+            ],
+        ),
+        (
+            {"switch_uid": True, "groups": (5, 6)},
+            ["setpriv", "--reuid=2001", "--regid=2001", "--groups=5,6", "--", "bwrap"],
+        ),
+    ],
+)
+def test_the_uid_is_taken_before_bwrap(more: dict[str, object], head: list[str]) -> None:
+    argv = launch_argv(spec(**more))
+    assert argv[: len(head)] == head
+
+
+@pytest.mark.parametrize(
+    ("network", "unshared"),
+    [("none", True), ("host", False)],
+)
+def test_namespaces(network: str, unshared: bool) -> None:
+    argv = launch_argv(spec(network=network))
+    for option in ("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--cap-drop"):
+        assert option in argv
+    assert ("--unshare-net" in argv) is unshared
+
+
+def test_system_folders_read_only_links_as_links_nothing_else_of_the_host() -> None:
+    argv = launch_argv(spec())
+    assert pairs(argv, "--ro-bind")[:2] == [("/usr", "/usr"), ("/etc", "/etc")]
+    assert ("usr/bin", "/bin") in pairs(argv, "--symlink")
+    assert ("usr/lib", "/lib") in pairs(argv, "--symlink")
+    sources = {a for a, _ in pairs(argv, "--ro-bind") + pairs(argv, "--bind")}
+    assert sources == {"/usr", "/etc", "/state/wt/t1"}
+    assert "/" not in sources
+
+
+def test_worktree_and_extra_paths() -> None:
+    argv = launch_argv(spec(readable=("/prompts/t1",), writable=("/cache",), sockets=("/run/b/s",)))
+    assert ("/state/wt/t1", "/state/wt/t1") in pairs(argv, "--bind")
+    assert ("/cache", "/cache") in pairs(argv, "--bind")
+    assert ("/prompts/t1", "/prompts/t1") in pairs(argv, "--ro-bind")
+    assert ("/run/b/s", "/run/b/s") in pairs(argv, "--ro-bind")
+    assert argv[argv.index("--chdir") + 1] == "/state/wt/t1/sub"
+    assert tail(argv) == ["agent", "--go"]
+
+
+def test_private_tmp_and_home_with_generated_identity() -> None:
+    argv = launch_argv(spec(home_files=(HomeFile(".codex/config.toml", 7), HomeFile("a.txt", 8))))
+    tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert tmpfs == ["/tmp", "/var/tmp", "/dev/shm", "/home/step"]
+    at = argv.index("/home/step")
+    assert argv[at - 3 : at] == ["--perms", "0700", "--tmpfs"]
+    assert pairs(argv, "--ro-bind-data") == [("3", "/etc/passwd"), ("4", "/etc/group")]
+    assert ("7", "/home/step/.codex/config.toml") in pairs(argv, "--file")
+    assert ("8", "/home/step/a.txt") in pairs(argv, "--file")
+    at = argv.index("/home/step/.codex")
+    assert argv[at - 1] == "--dir" and at < argv.index("/home/step/.codex/config.toml")
+    assert argv[argv.index("--proc") : argv.index("--proc") + 2] == ["--proc", "/proc"]
+
+
+def test_the_gateway_socket_is_bridged_to_the_base_url_port() -> None:
+    bridge = ("/usr/bin/python3", "-I", "-S", "-c", "CODE")
+    argv = launch_argv(spec(gateway_socket="/srv/gw.sock", gateway_port=4680, bridge=bridge))
+    assert ("/srv/gw.sock", GATEWAY_SOCKET) in pairs(argv, "--ro-bind")
+    assert tail(argv) == [*bridge, "4680", GATEWAY_SOCKET, "--", "agent", "--go"]
+
+
+def test_host_network_has_no_bridge() -> None:
+    argv = launch_argv(spec(network="host", gateway_socket="/srv/gw.sock", gateway_port=1))
+    assert tail(argv) == ["agent", "--go"]
+    assert "/srv/gw.sock" not in argv
+
+
+@pytest.mark.parametrize(
+    "more",
+    [
+        {"gateway_socket": "/srv/gw.sock"},
+        {"gateway_port": 4680},
+        {"gateway_socket": "/srv/gw.sock", "gateway_port": 4680},  # no bridge argv
+    ],
+)
+def test_a_half_gateway_is_refused(more: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="gateway"):
+        launch_argv(spec(**more))
+
+
+@pytest.mark.parametrize(
+    ("user", "uid", "gid", "home", "line"),
+    [
+        ("overnight-step", 999, 995, "/home/overnight-step", "overnight-step:x:999:995:"),
+        ("root", 0, 0, "/root", "root:x:0:0:"),
+    ],
+)
+def test_passwd_names_the_uid(user: str, uid: int, gid: int, home: str, line: str) -> None:
+    text = passwd_text(user, uid, gid, home)
+    entries = [row for row in text.splitlines() if row.split(":")[2] == str(uid)]
+    assert len(entries) == 1 and entries[0].startswith(line)
+    assert entries[0].split(":")[5] == home
+    assert f":{gid}:" in group_text(user, gid)
