@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from overnight.config.exits import EXIT_NEEDS_PERSON
 from overnight.worker.supervise import procs
 from tests.helpers import OVERNIGHT, ROOT, wait_for
 
@@ -71,7 +72,9 @@ def test_up_runs_a_folder_to_its_end_states_and_leaves_nothing(
         text=True,
         timeout=110,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # never-done ends halted: --exit-when-done says a task needs a person.
+    assert proc.returncode == EXIT_NEEDS_PERSON, proc.stdout + proc.stderr
+    assert "1 task needs a person: never-done (halted_at_call_ceiling)" in proc.stderr
     for task_id, state in EXPECTED.items():
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(task_id + " "))
         assert state in line, line

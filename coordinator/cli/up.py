@@ -36,7 +36,11 @@ from overnight.config.exits import EXIT_USAGE, CommandError
     "[OVERNIGHT_BUDGET]. An existing envelope is never refilled.",
 )
 @click.option(
-    "--exit-when-done", is_flag=True, help="Stop once every task of this run has ended or paused."
+    "--exit-when-done",
+    is_flag=True,
+    help="Stop once every task of this run has ended or paused (or at --until), and exit "
+    "0 only if every one finished verified: 5 if one needs a person (halted, paused, "
+    "expired, aborted, agent_failed), 6 if some had not ended by --until.",
 )
 @click.option(
     "--state-dir",
@@ -50,7 +54,8 @@ from overnight.config.exits import EXIT_USAGE, CommandError
     metavar="TIME",
     help="End the night at TIME: a clock time (07:00, its next occurrence) or an ISO "
     "date-time [OVERNIGHT_STOP_AT]. No step starts after it; running steps get the grace, "
-    "then their tasks go back to queued; the report is written; exit 0.",
+    "then their tasks go back to queued; the report is written; exit 0 (with "
+    "--exit-when-done, the night's status).",
 )
 def up_command(
     workers: int,
@@ -62,9 +67,9 @@ def up_command(
 ) -> None:
     """Run the whole system on this machine: Redis, a reaper, workers, the coordinator.
 
-    If OVERNIGHT_REDIS_URL is unset and nothing answers at the default address, a private
-    redis-server is started with its data under --state-dir. Shows one row per task
-    (state, turn, calls, lease age, last beat) and the envelope's remaining calls,
+    Unless OVERNIGHT_REDIS_URL is set (in the environment or .env), a private redis-server
+    is started with its data under --state-dir (never whatever answers on 6379). Shows one
+    row per task (state, turn, calls, lease age, last beat) and the envelope's remaining calls,
     redrawn in place on a terminal, as log lines otherwise. Ctrl-C or SIGTERM stops
     everything it started and leaves no process behind: a running step is ended (its
     tree gets SIGTERM and the grace; a second Ctrl-C skips the grace) and its task goes
@@ -115,10 +120,11 @@ def _until(text: str) -> float:
 def demo_command(workers: int, state_dir: Path) -> None:
     """A one-minute demo on a private Redis, no network.
 
-    Runs the example tasks in tasks/: one verified on turn 1; one whose agent stops early,
-    is re-prompted with the unmet rule and passes; one whose step hangs and is killed by
-    its heartbeat gap; one halted when the shared envelope runs dry. Then prints the
-    report and the path of its HTML report. Exits 0 if every task ended as it is meant to.
+    Runs the four example tasks shipped with overnight: one verified on turn 1; one whose
+    agent stops early, is re-prompted with the unmet rule and passes; one whose step hangs
+    and is killed by its heartbeat gap; one halted when the shared envelope runs dry. Then
+    prints the report and the path of its HTML report. Exits 0 if every task ended as it is
+    meant to.
     """
     from overnight.coordinator.night.demo import run_demo
 
@@ -144,7 +150,11 @@ def demo_command(workers: int, state_dir: Path) -> None:
     help="Seconds between maintenance passes.",
 )
 @click.option(
-    "--exit-when-done", is_flag=True, help="Exit once every task it knows has ended or paused."
+    "--exit-when-done",
+    is_flag=True,
+    help="Exit once every task it knows has ended or paused, and end any night with its "
+    "status, as `up --exit-when-done` does (0 only if every task of the night finished "
+    "verified; 5 one needs a person; 6 some had not ended).",
 )
 @click.option("--once", is_flag=True, help="Submit, make one maintenance pass, exit.")
 @click.option(
@@ -166,8 +176,10 @@ def coordinator_command(
     every minute and POSTs to OVERNIGHT_NOTIFY_URL when a task pauses. At OVERNIGHT_STOP_AT
     it ends the night: once no step runs (at most the wait `up` allows), it writes the
     report, notifies (reason "until"), asks the RQ workers of its queues to stop (an idle
-    `overnight worker` then exits 0) and exits 0. --exit-when-done writes the report and
-    notifies (reason "done") before it exits. SIGTERM exits 0.
+    `overnight worker` then exits 0) and exits 0, so compose's `restart: on-failure` leaves
+    it down. --exit-when-done writes the report and notifies (reason "done") before it exits.
+    The night's tasks are those of its folders and any other that changed while it ran.
+    SIGTERM exits 0.
     """
     from overnight.config.connection import describe
     from overnight.config.context import settings

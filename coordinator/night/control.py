@@ -64,16 +64,34 @@ class Submitted:
     records: list[TaskRecord] = field(default_factory=list)
     known: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # Envelopes the new tasks name that do not exist (with ``need_envelopes``: none enqueued).
+    no_envelope: list[str] = field(default_factory=list)
+
+
+def missing_envelopes(client: redis.Redis, keys: Keys, names: set[str]) -> list[str]:
+    """Those of ``names`` that name no envelope of the namespace, in name order."""
+    from overnight.worker.envelope.envelope import CallEnvelope
+
+    return [
+        n for n in sorted(names) if not CallEnvelope(client, n, keys.namespace).snapshot().exists
+    ]
 
 
 def submit_folders(
-    client: redis.Redis, rq_conn: redis.Redis, settings: Settings, folders: list[Path]
+    client: redis.Redis,
+    rq_conn: redis.Redis,
+    settings: Settings,
+    folders: list[Path],
+    *,
+    need_envelopes: bool = False,
 ) -> Submitted:
     """Validate every task file under ``folders``; enqueue those whose id is new.
 
     All-or-nothing like ``overnight submit``: one invalid file and nothing is enqueued
     (``problems`` says why). Tasks whose id the namespace already knows, in any state, are
-    skipped, so a restarted coordinator does not run finished tasks again.
+    skipped, so a restarted coordinator does not run finished tasks again. With
+    ``need_envelopes``, nothing is enqueued either if a new task names an envelope that does
+    not exist (``no_envelope``): it would halt at its first call.
     """
     from overnight.coordinator.dispatch.core import enqueue
     from overnight.coordinator.tasks.store import TaskStore
@@ -93,6 +111,10 @@ def submit_folders(
             out.known.append(spec.id)
         else:
             fresh.append(spec)
+    if need_envelopes:
+        out.no_envelope = missing_envelopes(client, store.keys, {s.envelope for s in fresh})
+        if out.no_envelope:
+            return out
     if fresh:
         out.records = store.create(fresh, settings.queue)
         enqueue(rq_conn, out.records, settings.namespace)
@@ -209,6 +231,9 @@ def run_coordinator(
     for task_id in submitted.known:
         log.info("namespace=%s task %s already known; not enqueued again", keys.namespace, task_id)
     store = TaskStore(client, keys)
+    # The night's tasks: those of its folders, and any other that changed while it ran.
+    mine = {rec.id for rec in submitted.records} | set(submitted.known)
+    began = store.now()
     # Redis away or refusing writes for a while (clients.transient): logged once, retried.
     redis_state = Backoff(f"coordinator namespace={keys.namespace}", log, first=interval)
     while not stop.is_set():
@@ -217,14 +242,17 @@ def run_coordinator(
             for line in maintain(client, rq_conn, settings):
                 log.info("namespace=%s %s", keys.namespace, line)
             records = store.all()
+            tonight = [r for r in records if r.id in mine or (r.updated_unix or 0) >= began]
             if exit_when_done and all(rec.state in SETTLED for rec in records):
                 log.info("namespace=%s every task has ended or paused", keys.namespace)
-                if not once:
-                    night.finish("done")
-                return 0
+                if once:
+                    return 0
+                night.finish("done")
+                return _night_code(keys, tonight)
             if not once and night.tick(records):
                 _end_night(night, rq_conn, {settings.queue, *(r.queue for r in records)})
-                return 0
+                # A service (compose's `restart: on-failure`) ends its night with 0.
+                return _night_code(keys, tonight) if exit_when_done else 0
             redis_state.ok()
         except Exception as exc:
             if once or not transient(exc):
@@ -234,6 +262,17 @@ def run_coordinator(
             return 0
         stop.wait(wait)
     return 0
+
+
+def _night_code(keys: Keys, records: list[TaskRecord]) -> int:
+    """The night's exit status (:func:`coordinator.night.ending.night_exit`), said in a log
+    line when it is not 0."""
+    from overnight.coordinator.night.ending import night_exit, night_summary
+
+    code = night_exit(r.state for r in records)
+    if code:
+        log.warning("namespace=%s %s; exit %d", keys.namespace, night_summary(records), code)
+    return code
 
 
 def _end_night(night: Night, rq_conn: redis.Redis, queues: set[str]) -> None:

@@ -9,7 +9,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from overnight.config.exits import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CommandError
+from overnight.config.exits import (
+    EXIT_INTERNAL,
+    EXIT_NEEDS_PERSON,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+)
 from overnight.coordinator.night.up import UpOptions, run_up
 from overnight.coordinator.tasks.states import State
 from overnight.worker.sandbox.stepuser import STEP_USER, StepUser, decide, reach_problem
@@ -51,7 +57,8 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
     result = run_up(opts)
     if result.report is not None:
         print(f"demo: report {result.report}")
-    if result.code != EXIT_OK:
+    # never-done is meant to end halted, which `up --exit-when-done` says with its status.
+    if result.code not in (EXIT_OK, EXIT_NEEDS_PERSON):
         return result.code
     wrong = []
     for task_id, want in EXPECTED.items():

@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from overnight.coordinator.tasks.states import PAUSED, RUNNING
+from overnight.config.exits import EXIT_NEEDS_PERSON, EXIT_OK, EXIT_UNFINISHED
+from overnight.coordinator.tasks.states import PAUSED, RUNNING, SETTLED, State
 
 if TYPE_CHECKING:
     import redis
@@ -25,6 +27,50 @@ if TYPE_CHECKING:
 log = logging.getLogger("overnight.up")
 REPORT_EVERY_SEC = 60.0
 REPORT_NAME = "report.html"
+
+
+def night_exit(states: Iterable[State]) -> int:
+    """The exit status of a night that ended (every task settled, or its stop time came) with
+    its tasks in ``states``: 0 only if every one finished verified; 5 if any needs a person
+    (it ended otherwise, or is paused); else 6 (some had not ended: they resume next night)."""
+    seen = list(states)
+    if any(s in SETTLED and s != State.FINISHED_VERIFIED for s in seen):
+        return EXIT_NEEDS_PERSON
+    if any(s != State.FINISHED_VERIFIED for s in seen):
+        return EXIT_UNFINISHED
+    return EXIT_OK
+
+
+def plural(n: int, word: str) -> str:
+    """``1 task``, ``2 tasks``: a count and its noun (nouns that take an s)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def no_budget(names: list[str]) -> str:
+    """Why ``up`` refuses tasks whose envelopes do not exist, in one line."""
+    listed = ", ".join(repr(n) for n in names)
+    what = f"envelope {listed} does not" if len(names) == 1 else f"envelopes {listed} do not"
+    fix = "give --budget N (or set OVERNIGHT_BUDGET)"
+    if names != ["default"]:
+        fix += "; create others with `overnight envelope reset N --name NAME`"
+    return f"no call budget: {what} exist, so every task would halt at its first call; {fix}"
+
+
+def night_summary(records: list[TaskRecord]) -> str:
+    """One line: which tasks of an ended night need a person and which had not ended."""
+    person = [r for r in records if r.state in SETTLED and r.state != State.FINISHED_VERIFIED]
+    open_ = [r for r in records if r.state not in SETTLED]
+    parts = []
+    if person:
+        named = ", ".join(f"{r.id} ({r.state})" for r in person)
+        parts.append(
+            f"{plural(len(person), 'task')} {'needs' if len(person) == 1 else 'need'} "
+            f"a person: {named}"
+        )
+    if open_:
+        named = ", ".join(f"{r.id} ({r.state})" for r in open_)
+        parts.append(f"{plural(len(open_), 'task')} not ended: {named}")
+    return "; ".join(parts) or "every task finished verified"
 
 
 class Night:

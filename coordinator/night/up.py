@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
 from overnight.config.keys import Keys
 from overnight.config.spawn import overnight_argv
-from overnight.coordinator.night.ending import Night, resume_queued
+from overnight.coordinator.night.ending import (
+    Night,
+    night_exit,
+    night_summary,
+    no_budget,
+    plural,
+    resume_queued,
+)
 from overnight.coordinator.night.stack import Stack
 from overnight.coordinator.report.progress import PlainProgress, TaskRow, table
 from overnight.coordinator.tasks.states import State
@@ -267,7 +274,6 @@ def _run(
     from overnight.coordinator.dispatch.core import gateway_answers, gateway_wanted
     from overnight.coordinator.night.control import ensure_envelope, submit_folders
     from overnight.coordinator.report.view import envelope_lines, render_plain
-    from overnight.coordinator.tasks.states import SETTLED
     from overnight.coordinator.tasks.store import TaskStore
 
     client = connect(settings)
@@ -282,7 +288,10 @@ def _run(
     try:
         budget = opts.budget if opts.budget is not None else settings.budget
         if budget is not None and ensure_envelope(client, keys, budget):
-            print(f"overnight: envelope 'default' created with {budget} calls", file=sys.stderr)
+            print(
+                f"overnight: envelope 'default' created with {plural(budget, 'call')}",
+                file=sys.stderr,
+            )
         stack.env.update({"OVERNIGHT_REDIS_URL": settings.redis_url})
         night = Night(_night_end(opts, settings), settings, client, keys, opts.state_dir)
         night.prepare(stack)
@@ -298,18 +307,21 @@ def _run(
                 overnight_argv("worker", "--name", f"up-{os.getpid()}-{i + 1}"),
                 env=night.worker_env(i + 1),
             )
-        submitted = submit_folders(client, rq_conn, settings, opts.tasks)
+        submitted = submit_folders(client, rq_conn, settings, opts.tasks, need_envelopes=True)
         if submitted.problems:
             for line in submitted.problems:
                 print(line, file=sys.stderr)
             raise CommandError("invalid task files; nothing was enqueued", EXIT_USAGE)
+        if submitted.no_envelope:
+            raise CommandError(no_budget(submitted.no_envelope), EXIT_USAGE)
         ids = [rec.id for rec in submitted.records] + submitted.known
         for task_id in resume_queued(client, rq_conn, keys, submitted.known):
             print(f"overnight: task {task_id} resumes from its checkpoint", file=sys.stderr)
         print(
-            f"overnight: {len(submitted.records)} tasks enqueued, {len(submitted.known)} already "
-            f"known; {opts.workers} workers; namespace {settings.namespace!r}; logs in "
-            f"{opts.state_dir / 'logs'}; Ctrl-C stops everything",
+            f"overnight: {plural(len(submitted.records), 'task')} enqueued, "
+            f"{len(submitted.known)} already known; {plural(opts.workers, 'worker')}; "
+            f"namespace {settings.namespace!r}; logs in {opts.state_dir / 'logs'}; "
+            "Ctrl-C stops everything",
             file=sys.stderr,
         )
         store = TaskStore(client, keys)
@@ -325,8 +337,9 @@ def _run(
             print(f"overnight: report {report}", file=sys.stderr, flush=True)
         if stopper.signum:
             return UpResult(128 + stopper.signum, states, report)
-        done = night.ended or all(r.state in SETTLED for r in records)
-        code = EXIT_OK if done or not opts.exit_when_done else EXIT_REFUSED
+        code = night_exit(r.state for r in records) if opts.exit_when_done else EXIT_OK
+        if code != EXIT_OK:
+            print(f"overnight: {night_summary(records)}; exit {code}", file=sys.stderr)
         return UpResult(code, states, report)
     finally:
         lock.release()
