@@ -33,7 +33,7 @@ from overnight.worker.redisio.receipts import read as read_receipts
 from overnight.worker.sandbox import cgroup
 from overnight.worker.sandbox.stepuser import StepUser, StepUserRefused, decide, workdir_problem
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
-from tests.helpers import OVERNIGHT, final_doc, task_file
+from tests.helpers import OVERNIGHT, final_doc, lacking, task_file
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a step user)")
@@ -155,9 +155,13 @@ def test_a_step_user_cannot_be_honoured_by_a_plain_user(env: dict[str, str]) -> 
 # searches the report for the secrets.
 PROBE = textwrap.dedent(
     r"""
-    import errno, json, os, pathlib, socket, sys
+    import errno, json, os, pathlib, socket, subprocess, sys, time
     port, out = int(sys.argv[1]), pathlib.Path(sys.argv[2])
     pathlib.Path("ok.txt").write_text("ok")
+    # A process of its own uid besides itself, whose environ it must be able to read.
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "sibling"])
+    while b"sibling" not in open(f"/proc/{sibling.pid}/cmdline", "rb").read():
+        time.sleep(0.01)  # until it has exec'd
 
     def err(exc):
         return errno.errorcode.get(exc.errno, str(exc.errno))
@@ -218,6 +222,8 @@ PROBE = textwrap.dedent(
               "escape": escape, "redis": redis, "home": oct(os.stat(os.environ["HOME"]).st_mode),
               "home_uid": os.stat(os.environ["HOME"]).st_uid}
     out.write_text(json.dumps(report))
+    sibling.kill()
+    sibling.wait()
     print("probe done", flush=True)
     """
 )
@@ -242,6 +248,7 @@ def check_probe(report: dict[str, Any], user: StepUser, secrets: list[str], port
         assert secret not in text
     # The attack is real: it read the environment and command line of processes it may.
     readable = [r for r in report["procs"].values() if r["environ"] is None]
+    assert any("sibling" in r["cmdline_text"] for r in readable), "it read no environ at all"
     assert all(r["uid"] == user.uid for r in readable), "read another user's environ"
     roots = [r for r in report["procs"].values() if r["uid"] == 0]
     assert roots and all(r["environ"] == "EACCES" and r["mem"] == "EACCES" for r in roots)
@@ -251,9 +258,10 @@ def check_probe(report: dict[str, Any], user: StepUser, secrets: list[str], port
     assert redis_answers["auth"].startswith("-WRONGPASS"), redis_answers
     for what in ("reset", "eval", "rpush"):
         assert redis_answers[what].startswith("-NOAUTH"), redis_answers
-    if cgroup.available():
-        assert report["cgroup"] and "/overnight/" in report["cgroup"][0]
-        assert "MOVED" not in report["escape"].values(), report["escape"]
+    if not cgroup.available():
+        lacking("no cgroup v2 here: the step's own cgroup was not checked")
+    assert report["cgroup"] and "/overnight/" in report["cgroup"][0]
+    assert "MOVED" not in report["escape"].values(), report["escape"]
 
 
 @ROOT_ONLY
