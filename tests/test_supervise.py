@@ -150,7 +150,7 @@ def test_overnight_beat_keeps_a_silent_child_alive(env: dict[str, str]) -> None:
 
 def test_pulse_keeps_a_silent_child_alive(env: dict[str, str]) -> None:
     script = (
-        "import time\nfrom overnight.worker.beat import pulse\n"
+        "import time\nfrom overnight.worker.beat.pulse import pulse\n"
         "with pulse() as p:\n    time.sleep(2.5)\n"
         "assert p.beats >= 3 and p.refused is None, p.beats\n"
     )
