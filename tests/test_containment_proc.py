@@ -268,10 +268,8 @@ def test_a_step_reads_nothing_of_the_control_plane(
         assert row["ptrace"] == "EPERM", row
         assert row["cmdline"] is None, row  # readable by anyone, so never holds a secret
     assert seen[horse]["ancestor"] and seen[worker.pid]["ancestor"]
-    # OWN ENV: what the step's own environment holds is the allowlist's part of issue 11
-    # (item 1), not this test's: today it still carries OVERNIGHT_REDIS_URL (needle 1).
-    # Once that lands: assert report["own_env"] == []
-    assert 0 not in report["own_env"]  # the model key never reaches a command agent
+    # Its own environment holds neither the model key nor the Redis URL.
+    assert report["own_env"] == []
 
 
 def _text(path: Path) -> str | None:
