@@ -87,7 +87,7 @@ _SUPERVISE_HELP = """Run CMD under one lease, on this host, and exit with how it
 The lease lapses when CMD is silent for the gap or runs past the deadline; then
 its whole tree (process group, session, setsid'd and double-forked escapees) gets
 SIGTERM, the grace, then SIGKILL. A beat is an output line (unless
---no-output-beats), `overnight beat` or worker.beat.pulse run by any descendant, or
+--no-output-beats), `overnight beat` or overnight.pulse run by any descendant, or
 with --beat-while-alive the child merely living.
 
 \b

@@ -150,8 +150,8 @@ def worker_command(
 ) -> None:
     """Run an RQ worker that runs overnight tasks (an rq.Worker subclass).
 
-    Equivalent to `rq worker -w coordinator.dispatch.core.OvernightWorker`. Each job runs one
-    task's loop in the work horse, every step under a lease. At start and every
+    Equivalent to `rq worker -w overnight.coordinator.dispatch.OvernightWorker QUEUE`. Each job
+    runs one task's loop in the work horse, every step under a lease. At start and every
     OVERNIGHT_RECOVERY_INTERVAL seconds while idle it recovers tasks whose worker died:
     re-queued from their checkpoint, or paused when a step's outcome is unknown.
     """

@@ -291,7 +291,7 @@ def _header(report: Report) -> str:
         out.append('<section id="attention" class="calm"><h2>Nothing needs you</h2></section>')
     out.append('<section id="summary"><div class="counts">')
     total = sum(report.counts.values())
-    out.append(f'<span class="chip">{total} tasks</span>')
+    out.append(f'<span class="chip">{total} task{"" if total == 1 else "s"}</span>')
     for state, n in sorted(report.counts.items()):
         colour = STATE_COLOURS.get(state, "#555")
         out.append(

@@ -153,7 +153,8 @@ def summary(records: list[TaskRecord]) -> str:
     for rec in records:
         counts[rec.state] = counts.get(rec.state, 0) + 1
     parts = [f"{n} {state}" for state, n in sorted(counts.items())]
-    return f"{len(records)} tasks: " + (", ".join(parts) if parts else "none")
+    tasks = "1 task" if len(records) == 1 else f"{len(records)} tasks"
+    return f"{tasks}: " + (", ".join(parts) if parts else "none")
 
 
 def envelope_lines(client: Any, namespace: str, records: list[TaskRecord]) -> list[str]:

@@ -1,0 +1,190 @@
+"""The documentation keeps up with the code: every command and setting is documented, every
+module path a reader is told to run imports, README stays a short door.
+
+The lists come from the code (the click group, the settings model), so a new command or
+setting fails here until docs/ names it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+from rq.utils import import_attribute
+
+from overnight.config.settings import Settings
+from overnight.config.validate import ENV_PREFIX
+from overnight.coordinator.cli.main import cli as main
+
+ROOT = Path(__file__).resolve().parent.parent
+# The checkout's folders that the installed package maps under `overnight.`: a path starting
+# with one imports (as a duplicate) only from the checkout's root, never once installed.
+LAYER_FOLDERS = {"config", "worker", "coordinator"}
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+README_MAX_LINES = 250
+
+# `rq worker ... -w some.Class` and `python -m some.module` (python3, flags before -m too).
+DOTTED = r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
+RQ_WORKER_CLASS = re.compile(r"rq worker\b[^`\n]*?(?:-w|--worker-class)[ =]" + DOTTED)
+PYTHON_MODULE = re.compile(r"\bpython3?(?:\.\d+)?(?:\s+-[A-Za-z]+)*\s+-m\s+" + DOTTED)
+# An issue reference: "issue 12", "issues 3 and 4", "#12".
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+|(?<![\w&/#])#\d+\b", re.IGNORECASE)
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+# A command line in code: `overnight WORD` first on a line, or after a shell operator.
+COMMAND_LINE = re.compile(r"(?:^|[;&|(]\s*)overnight ([a-z][a-z-]*)", re.MULTILINE)
+
+
+def doc_pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def all_docs_text() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in [README, *doc_pages()])
+
+
+def code_of(text: str) -> str:
+    """The code blocks and inline code spans of a Markdown text, one snippet a line."""
+    blocks = FENCE.findall(text)
+    spans = re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    return "\n".join([*blocks, *spans])
+
+
+def commands(
+    group: click.Group, parent: click.Context
+) -> Iterator[tuple[list[str], click.Command, click.Context]]:
+    """Every command `--help` lists, depth first: (its words after `overnight`, it, its context)."""
+    for name in group.list_commands(parent):
+        command = group.get_command(parent, name)
+        if command is None or command.hidden:
+            continue
+        ctx = click.Context(command, info_name=name, parent=parent)
+        words = [*parent.command_path.split()[1:], name]
+        yield words, command, ctx
+        if isinstance(command, click.Group):
+            yield from commands(command, ctx)
+
+
+def every_command() -> list[tuple[list[str], click.Command, click.Context]]:
+    return list(commands(main, click.Context(main, info_name="overnight")))
+
+
+def undocumented_commands(text: str) -> list[str]:
+    missing = []
+    for words, _, _ in every_command():
+        name = "overnight " + " ".join(words)
+        if not re.search(re.escape(name) + r"(?![\w-])", text):
+            missing.append(name)
+    return missing
+
+
+def setting_names() -> list[str]:
+    return [ENV_PREFIX + field.upper() for field in Settings.model_fields]
+
+
+def undocumented_settings(text: str) -> list[str]:
+    return [n for n in setting_names() if not re.search(rf"(?<![\w]){n}(?![\w])", text)]
+
+
+def help_texts() -> dict[str, str]:
+    """`--help` of `overnight` and of every command, by its command line."""
+    top = click.Context(main, info_name="overnight")
+    texts = {"overnight": main.get_help(top)}
+    for words, command, ctx in every_command():
+        texts["overnight " + " ".join(words)] = command.get_help(ctx)
+    return texts
+
+
+def test_every_command_is_on_the_commands_page() -> None:
+    page = (DOCS / "commands.md").read_text(encoding="utf-8")
+    assert undocumented_commands(page) == []
+
+
+def test_a_missing_command_is_caught() -> None:
+    page = (DOCS / "commands.md").read_text(encoding="utf-8")
+    assert "overnight worktrees prune" in undocumented_commands(page.replace("worktrees prune", ""))
+
+
+def test_every_setting_is_on_the_configuration_page() -> None:
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert undocumented_settings(page) == []
+
+
+def test_a_missing_setting_is_caught() -> None:
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert "OVERNIGHT_GRACE" in setting_names()
+    assert "OVERNIGHT_GRACE" in undocumented_settings(page.replace("OVERNIGHT_GRACE", ""))
+
+
+def test_every_command_named_in_the_docs_exists() -> None:
+    known = {words[0] for words, _, _ in every_command()}
+    named = set(COMMAND_LINE.findall(code_of(all_docs_text())))
+    assert named - known == set()
+
+
+def paths_shown() -> list[tuple[str, str, str]]:
+    """(where, kind, dotted path) for every worker class and module a reader is told to run."""
+    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in [README]}
+    sources.update({str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in doc_pages()})
+    sources.update(help_texts())
+    found = []
+    for where, text in sources.items():
+        flat = re.sub(r"\s+", " ", text)  # a help text wraps a command line anywhere
+        found += [(where, "rq", m) for m in RQ_WORKER_CLASS.findall(flat)]
+        found += [(where, "module", m) for m in PYTHON_MODULE.findall(flat)]
+    return sorted(set(found))
+
+
+def test_the_docs_and_help_name_worker_classes_and_modules() -> None:
+    kinds = {kind for _, kind, _ in paths_shown()}
+    assert kinds == {"rq", "module"}
+
+
+@pytest.mark.parametrize(("where", "kind", "path"), paths_shown())
+def test_every_path_shown_imports(
+    where: str, kind: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert path.split(".")[0] not in LAYER_FOLDERS, f"{where}: {path}: not under overnight."
+    monkeypatch.syspath_prepend(str(ROOT))  # bench.* runs from the checkout
+    if kind == "rq":
+        assert isinstance(import_attribute(path), type), f"{where}: rq worker -w {path}"
+    else:
+        assert importlib.util.find_spec(path) is not None, f"{where}: python -m {path}"
+
+
+def test_a_wrong_worker_path_is_caught() -> None:
+    flat = "rq worker -w coordinator.dispatch.OvernightWorker overnight"
+    (path,) = RQ_WORKER_CLASS.findall(flat)
+    assert path.split(".")[0] in LAYER_FOLDERS
+
+
+def test_readme_is_a_door() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES
+
+
+def test_no_issue_numbers_in_the_docs() -> None:
+    hits = []
+    for page in [README, *doc_pages()]:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            hits += [f"{page.name}:{number}: {m}" for m in ISSUE_NUMBER.findall(line)]
+    assert hits == []
+    assert ISSUE_NUMBER.findall("since issue 14, see #12") == ["issue 14", "#12"]
+
+
+def test_every_page_is_in_the_site() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert [p.name for p in doc_pages() if f": {p.name}" not in nav] == []
+
+
+def test_help_says_no_plural_after_one() -> None:
+    wrong = {
+        where: re.findall(r"\b1 [a-z]+s\b", text)
+        for where, text in help_texts().items()
+        if re.search(r"\b1 [a-z]+s\b", text)
+    }
+    assert wrong == {}
