@@ -95,16 +95,24 @@ def test_aof_restart_keeps_a_running_lease_and_its_token(
 
 @pytest.mark.timeout(60)
 def test_envelope_consumes_across_a_restart_are_exact(redis_factory: Any, namespace: str) -> None:
+    """Four threads consume; each stops at a gate after its first ten, Redis is killed, the
+    gate opens (every thread's next consume meets a dead Redis and retries), Redis comes
+    back from its AOF and they finish: the count is exact across the restart."""
     server = redis_factory(appendonly=True)
-    budget, calls, threads = 200, 160, 4
+    budget, calls, threads, before = 200, 160, 4, 10
     CallEnvelope(client_of(server), "shared", namespace).reset(budget)
     answers: dict[str, bool] = {}
     lock = threading.Lock()
-    retries = [0]
+    retries = [0] * threads
+    at_gate = threading.Semaphore(0)
+    gate = threading.Event()
 
     def spend(worker: int) -> None:
         env = CallEnvelope(client_of(server, 0.3), "shared", namespace)
-        for i in range(worker, calls, threads):
+        for n, i in enumerate(range(worker, calls, threads)):
+            if n == before:
+                at_gate.release()
+                assert gate.wait(30)
             rid = f"req-{i}"
             until = time.monotonic() + 30
             while True:
@@ -116,7 +124,7 @@ def test_envelope_consumes_across_a_restart_are_exact(redis_factory: Any, namesp
                 except EnvelopeUnavailable:
                     assert time.monotonic() < until, "Redis never came back"
                     with lock:
-                        retries[0] += 1
+                        retries[worker] += 1
                     time.sleep(0.05)
                     continue
                 with lock:
@@ -126,10 +134,16 @@ def test_envelope_consumes_across_a_restart_are_exact(redis_factory: Any, namesp
     pool = [threading.Thread(target=spend, args=(w,)) for w in range(threads)]
     for t in pool:
         t.start()
-    wait_for(lambda: len(answers) >= calls // 3, timeout=20, interval=0.001)
-    restart(server)
+    for _ in range(threads):
+        assert at_gate.acquire(timeout=20)
+    assert len(answers) == threads * before
+    server.stop(kill=True)  # SIGKILL: only what AOF (fsync always) acknowledged survives
+    gate.set()
+    wait_for(lambda: all(retries), timeout=20)  # every thread met the dead Redis
+    server.start()
     for t in pool:
         t.join(40)
+    assert all(n > 0 for n in retries), retries
     assert len(answers) == calls and all(answers.values())
     state = CallEnvelope(client_of(server), "shared", namespace).snapshot()
     assert state.consumed_model + state.consumed_tool == calls
