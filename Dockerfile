@@ -6,7 +6,7 @@ COPY pyproject.toml README.md ./
 COPY config ./config
 COPY coordinator ./coordinator
 COPY worker ./worker
-COPY overnight ./overnight
+COPY src ./src
 RUN pip install .
 # overnight runs as root in the container (it makes a cgroup per step); every agent step and
 # verifier rule runs as this unprivileged user, which owns nothing of overnight's.

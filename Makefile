@@ -17,14 +17,10 @@ demo: $(BIN)/overnight
 test: $(BIN)/overnight
 	$(BIN)/pytest
 
-# mypy cannot follow setuptools' package-dir mapping, so it checks a view of the installed
-# layout: build/typecheck/overnight/{config,worker,coordinator} are links to the folders.
+# mypy finds the package as installed through src/overnight (see pyproject.toml).
 lint: $(BIN)/overnight
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	rm -rf build/typecheck && mkdir -p build/typecheck/overnight
-	for f in overnight/*; do ln -s ../../../$$f build/typecheck/overnight/; done
-	for d in config worker coordinator; do ln -s ../../../$$d build/typecheck/overnight/$$d; done
 	$(BIN)/mypy
 
 # The reference in docs/, built as a site under build/site; --strict fails on a broken link.

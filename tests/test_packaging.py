@@ -124,6 +124,18 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
     )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(site)
+    # No folder at the checkout's root is named like the package: run there (its folder
+    # first on sys.path), an interpreter still imports every layer of the installed one.
+    at_root = subprocess.run(
+        [str(python), "-c", "import overnight.config, overnight.worker; print(overnight.__file__)"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert at_root.returncode == 0, at_root.stderr
+    assert Path(at_root.stdout.strip()).is_relative_to(site)
 
     demo = subprocess.run(
         [str(venv / "bin" / "overnight"), "demo"],
