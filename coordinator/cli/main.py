@@ -44,6 +44,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("coordinator.cli.tasks:worker_command", "Run an RQ worker for tasks."),
     "status": ("coordinator.cli.tasks:status_command", "Print a task's state as JSON."),
     "reconcile": ("coordinator.cli.tasks:reconcile_command", "Resume or abort a paused task."),
+    "rerun": ("coordinator.cli.tasks:rerun_command", "Run an ended task again."),
     "receipts": ("coordinator.cli.tasks:receipts_command", "Print receipts as JSON lines."),
     "logs": ("coordinator.cli.tasks:logs_command", "Print what a task's steps printed."),
     "agents": ("coordinator.cli.agents:agents_command", "List agent presets and their CLIs."),

@@ -318,6 +318,46 @@ def _cancel_job(rec: TaskRecord) -> None:
     from overnight.config.context import rq_connection
 
     try:
+@click.command("rerun")
+@click.argument("task_id")
+@click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Calls this run may use, model and tool together (default: the task's max_calls).",
+)
+@click.option(
+    "--from-base",
+    is_flag=True,
+    help="Start over from the task's base commit; the earlier work stays on the branch "
+    "overnight/TASK-<run>.",
+)
+def rerun_command(task_id: str, budget: int | None, from_base: bool) -> None:
+    """Run an ended task again (finished, halted, expired, aborted or agent_failed).
+
+    By default it goes on where it stopped: on its branch, with its commits kept, from the
+    next turn, the first prompt naming the rules still unmet. Its calls_used goes on
+    counting; it may use N more (--budget). Its deadline starts again. A worker (`overnight
+    worker`, `up`) runs it. Refused (exit 2, one line) while it is live, or when its envelope
+    has no calls left. Prints the task's status JSON.
+    """
+    from overnight.config.context import rq_connection
+    from overnight.coordinator.tasks.runagain import RerunRefused, run_again
+
+    store = _store()
+    try:
+        done = run_again(store, rq_connection(), task_id, budget=budget, from_base=from_base)
+    except RerunRefused as exc:
+        raise CommandError(str(exc), EXIT_REFUSED) from None
+    where = f"; the earlier work is on {done.kept_branch}" if done.kept_branch else ""
+    click.echo(
+        f"overnight: task {task_id} queued again (attempt {done.attempt}, "
+        f"max_calls {done.max_calls}){where}",
+        err=True,
+    )
+    click.echo(_status_json(store, _record(store, task_id)))
+
+
         job = Job.fetch(rec.job_id(), connection=rq_connection())
         if job.get_status() == JobStatus.QUEUED:
             job.cancel()

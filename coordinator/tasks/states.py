@@ -44,7 +44,7 @@ LIVE: frozenset[State] = frozenset({QUEUED, RUNNING, PAUSED})
 SETTLED: frozenset[State] = TERMINAL | {PAUSED}
 
 # The task scripts that write a task's state (or its checkpoint), one operation each.
-Op = Literal["create", "claim", "begin", "save", "orphan", "resume", "abort"]
+Op = Literal["create", "claim", "begin", "save", "orphan", "resume", "abort", "rerun"]
 
 # Every legal state change: operation -> target -> the states it may come from.
 # ``begin`` and ``save`` to RUNNING are checkpoints (the state stays); a record that does
@@ -67,6 +67,8 @@ TRANSITIONS: dict[Op, dict[State, frozenset[State]]] = {
     },
     "resume": {QUEUED: frozenset({PAUSED})},
     "abort": {State.ABORTED: LIVE},
+    # `overnight rerun`: an ended task runs again, on its branch or from its base.
+    "rerun": {QUEUED: TERMINAL},
 }
 
 

@@ -141,6 +141,7 @@ _SCRIPTS = (
     "orphan",
     "resume",
     "abort",
+    "rerun",
     "drop_claim",
     "forget",
 )
@@ -441,6 +442,38 @@ class TaskStore:
                 rec.attempt,
                 checkpoint.model_dump_json(),
                 attempt,
+                STREAM_MAXLEN,
+                body,
+                rec.id,
+                self.queued_grace,
+            ],
+        )
+        _checked(rec.id, result)
+
+    def rerun(self, rec: TaskRecord, spec: TaskSpec, checkpoint: Checkpoint, run: str) -> None:
+        """Queue an ended task again for its next attempt, with ``spec``, ``checkpoint`` and
+        ``run``; its calls_used and receipts stay, its deadline starts again. Raises
+        :class:`TaskRefused`: state (it has not ended) or stale-attempt."""
+        attempt = rec.attempt + 1
+        body = receipt_body(
+            rec.id, state=QUEUED, attempt=attempt, rerun=True, run=run, was=rec.state
+        )
+        result = self._run(
+            "rerun",
+            [
+                self.keys.task(rec.id),
+                self.keys.receipts,
+                self.keys.task_queued,
+                self.keys.tasks_ended,
+                self.keys.task_charged(rec.id),
+                self.keys.task_claim(rec.id),
+            ],
+            [
+                rec.attempt,
+                checkpoint.model_dump_json(),
+                attempt,
+                spec.model_dump_json(),
+                run,
                 STREAM_MAXLEN,
                 body,
                 rec.id,

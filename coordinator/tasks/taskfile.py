@@ -282,7 +282,9 @@ def load(
         branch = workspace.branch_name(spec.id)
         if workspace.branch_exists(got.base.root, branch):
             why = (
-                f"branch {branch} already exists in {got.base.root}; a task branch is never reused"
+                f"branch {branch} already exists in {got.base.root} (an earlier run of this "
+                f"task): `overnight rerun {spec.id}` runs it again on that branch (add "
+                f"--from-base to start over), or delete the branch to submit the file afresh"
             )
             raise TaskFileError([f"{label}: id: {why}"])
     update = {"workdir": str(workdir), "workspace": got.base.mode, "base": got.base}
