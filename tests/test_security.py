@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis, free_port
 from overnight.worker.envelope.envelope import CallEnvelope
 from overnight.worker.lease.store import LeaseRefused, Leases
-from tests.helpers import OVERNIGHT, task_file
+from tests.helpers import OVERNIGHT, Model, task_file
 
 PY = sys.executable
 # The agent beats through the CLI and spends from the envelope itself: both must work
@@ -343,29 +344,47 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
     assert json.loads(config.stdout)["model_api_key"] == "********"
 
     # argv of every process while a task runs, and the environment of every step process
-    # (the key reaches the model step on its stdin only, never an environment).
-    path = task_file(tmp_path, "quiet", None, [["true"]])
+    # (the key reaches the model step on its stdin only, never an environment). Each step
+    # is held until the scan has seen it: the model step by a model that answers only then,
+    # the rule until the scan writes the file it waits for.
+    held = tmp_path / "rule-seen"
+    hold = f"import os, time\nwhile not os.path.exists({str(held)!r}): time.sleep(0.02)"
+    path = task_file(tmp_path, "quiet", None, [[PY, "-c", hold]], max_calls=2)
     assert run(tenv, "envelope", "reset", "5").returncode == 0
     assert run(tenv, "submit", str(path)).returncode == 0
-    worker = subprocess.Popen(
-        [OVERNIGHT, "worker", "--burst"],
-        env=tenv,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
     argvs: set[str] = set()
     step_envs: set[str] = set()
-    while worker.poll() is None:
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                with contextlib.suppress(OSError):
-                    argvs.add(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
-                    environ = Path(f"/proc/{pid}/environ").read_bytes()
-                    if b"OVERNIGHT_BEAT_SOCKET=" in environ:
-                        step_envs.add(environ.decode(errors="replace"))
-    out, _ = worker.communicate(timeout=60)
+    with Model("hang") as model:
+        worker = subprocess.Popen(
+            [OVERNIGHT, "worker", "--burst"],
+            env={
+                **tenv,
+                "OVERNIGHT_MODEL_URL": model.url,
+                "OVERNIGHT_GATEWAY_PORT": str(free_port()),
+            },
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        while worker.poll() is None:
+            for pid in os.listdir("/proc"):
+                if pid.isdigit():
+                    with contextlib.suppress(OSError):
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                        argvs.add(cmd)
+                        environ = Path(f"/proc/{pid}/environ").read_bytes()
+                        if b"OVERNIGHT_BEAT_SOCKET=" in environ:
+                            step_envs.add(environ.decode(errors="replace"))
+                            if "model_step" in cmd and model.requests:
+                                model.release.set()
+                            if str(held) in cmd:
+                                held.touch()
+            time.sleep(0.01)
+        out, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, out[-3000:]
+    # The scan saw both steps, each with its environment.
+    assert model.release.is_set() and held.exists(), out[-3000:]
+    assert len(step_envs) >= 2, step_envs
     seen += [out, *argvs, *step_envs]
     for args in (["receipts"], ["status", "quiet"], ["report"], ["lease", "list", "--json"]):
         proc = run(tenv, *args)
