@@ -19,6 +19,7 @@ from rq.utils import import_attribute
 from overnight.config.settings import Settings
 from overnight.config.validate import ENV_PREFIX
 from overnight.coordinator.cli.main import cli as main
+from overnight.coordinator.tasks.taskfile import TaskSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 # The checkout's folders that the installed package maps under `overnight.`: a path starting
@@ -118,6 +119,13 @@ def test_a_missing_setting_is_caught() -> None:
     page = (DOCS / "configuration.md").read_text(encoding="utf-8")
     assert "OVERNIGHT_GRACE" in setting_names()
     assert "OVERNIGHT_GRACE" in undocumented_settings(page.replace("OVERNIGHT_GRACE", ""))
+
+
+def test_every_task_key_is_on_the_tasks_page() -> None:
+    page = (DOCS / "tasks.md").read_text(encoding="utf-8")
+    # `base` is set at submit from the workdir; a file that names it is refused.
+    keys = [key for key in TaskSpec.model_fields if key != "base"]
+    assert [k for k in keys if f"`{k}`" not in page and f"[[{k}]]" not in page] == []
 
 
 def test_every_command_named_in_the_docs_exists() -> None:
