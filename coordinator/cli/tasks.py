@@ -167,10 +167,16 @@ def worker_command(
     from overnight.coordinator.dispatch.gateway_watch import GatewayWatch
     from overnight.coordinator.report.metrics import serve_from_settings as serve_metrics
     from overnight.worker.redisio.clients import STARTUP_WAIT, retry_transient, transient
+    from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import configured
 
-    configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
+    user = configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
+    sandboxed = launch.configured(user)  # likewise a sandbox asked for that cannot start
     click.echo(f"overnight worker: {describe(settings())}", err=True)
+    if not sandboxed:
+        click.echo(
+            f"overnight worker: steps run WITHOUT a sandbox ({launch.SANDBOX_VAR}=off)", err=True
+        )
     names = [q for item in queues for q in item.split(",") if q] or [settings().queue]
     for q in names:
         if not NAME_RE.match(q):

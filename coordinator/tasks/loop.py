@@ -408,9 +408,10 @@ class TaskLoop:
                 beat_while_alive=True,
                 log_path=self._log_path(rec, cp, rule.name),
             )
-        cwd = spec.workdir
+        cwd, tree = spec.workdir, None
         if spec.base is not None:
             cwd = self._space(rec).agent_cwd(self.config.step_user)
+            tree = self._space(rec).tree
         prompt = build_prompt(spec, cp.memory)
         # A folder of this task's own, which only the step user can enter (issue 14 §10).
         folder = stepuser.task_folder(self.config.prompt_dir, rec.id, self.config.step_user)
@@ -457,6 +458,8 @@ class TaskLoop:
             grant=self._grant(rec),
             home_files=home_files,
             on_line=reader,
+            worktree=str(tree.path) if tree is not None else None,
+            readable=(str(folder),),
         )
 
     def _grant(self, rec: TaskRecord) -> Grant | None:

@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING
 
 from overnight.coordinator.agents import Said
 from overnight.worker.gateway.grant import Grant
+from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.stepenv import make_home, remove_home, step_environment
 from overnight.worker.sandbox.stepuser import StepUser, configured
 from overnight.worker.supervise.signals import SignalCatcher
@@ -56,6 +57,10 @@ class StepRequest:
     as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
     lease_id: str | None = None  # chosen by the caller (the worktree lock names it); else new
     home_files: dict[str, str] | None = None  # written into the step's scratch HOME first
+    # In a sandbox (OVERNIGHT_SANDBOX): the tree bound read-write (default: cwd) and the
+    # paths it may read besides the system folders (the task's prompt folder).
+    worktree: str | None = None
+    readable: tuple[str, ...] = ()
     # Sees every output line too (an agent preset reading the CLI's structured output).
     on_line: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
 
@@ -176,6 +181,7 @@ def supervised_runner(
     steps and verifier rules alike). Each of ``stop_signals`` (a work horse's SIGTERM: a
     stop asked for) ends a running step as SIGALRM does (:func:`alarm_ends_step`)."""
     as_user = user if user is not None else configured()
+    sandboxed = launch.configured(as_user)
 
     def run(req: StepRequest) -> StepOutcome:
         capture = open_capture(req)
@@ -195,6 +201,9 @@ def supervised_runner(
             grant=req.grant,
             user=as_user if req.as_step_user else None,
             home_files=req.home_files,
+            sandbox=sandboxed,
+            worktree=req.worktree,
+            readable=req.readable,
         )
         try:
             with alarm_ends_step(stop_signals) as alarm:

@@ -262,3 +262,17 @@ def require(mode: str, user: StepUser | None) -> bool:
     if problem is not None:
         raise SandboxUnavailable(problem)
     return True
+
+
+@cache
+def configured(user: StepUser | None) -> bool:
+    """:func:`require` by this process's settings (read once): whether its steps, run as
+    ``user``, are sandboxed; :class:`SandboxUnavailable` (exit 78) if asked for and impossible."""
+    from overnight.config.validate import read_fast
+
+    fast = read_fast(os.environ)
+    if fast is not None:
+        return require(fast.sandbox, user)
+    from overnight.config.context import settings
+
+    return require(settings().sandbox, user)
