@@ -1,6 +1,9 @@
 # The image behind the coordinator and worker services of docker-compose.yml.
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# bubblewrap: a sandbox per step (OVERNIGHT_SANDBOX=bwrap).
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY config ./config
