@@ -45,11 +45,11 @@ from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.lease.store import LeaseDoc, Leases
 from overnight.worker.reaper.reaper import reap_once
+from overnight.worker.redisio.scripts import register
 from overnight.worker.supervise import procs
 from overnight.worker.supervise.keeper import Keeper
 
 NS = "bench-hosts"
-BEFORE = (Path(__file__).parent / "lease_beat_before.lua").read_text()
 OLD_LINE_EVERY = 0.25  # the old keeper's beat cadence for a step that prints
 
 
@@ -82,7 +82,7 @@ def host_group(
     """Play ``hosts``: acquire their leases, beat them as planned, run their reapers."""
     client = redis.Redis.from_url(url, decode_responses=True)
     keys = Keys(NS)
-    old_beat = client.register_script(BEFORE)
+    old_beat = register(client, "lease_beat_before", package="bench")
     docs: list[tuple[LeaseDoc, str]] = []
     for host in hosts:
         _as_host(host)

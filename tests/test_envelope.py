@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ from overnight.worker.envelope.envelope import (
 )
 from overnight.worker.envelope.guards import Step, demo_steps, gated, reserving, run_agent_loop
 from overnight.worker.redisio.receipts import read
-from overnight.worker.redisio.scripts import source
+from overnight.worker.redisio.scripts import register
 
 from .helpers import wait_for
 
@@ -141,18 +142,20 @@ def test_unknown_kind_is_a_value_error(ev: CallEnvelope) -> None:
 
 def test_scripts_check_their_own_preconditions(ev: CallEnvelope, client: redis.Redis) -> None:
     ev.reset(2)
-    consume = client.register_script(source("envelope_lib") + source("envelope_consume"))
+    consume = register(client, "envelope_consume", lib="envelope_lib")
     ctx = ['{"envelope": "default", "maxlen": 1000}']
     keys = [ev.keys.envelope("default"), ev.keys.envelope_reservations("default"), "r"]
 
     def reason(raw: str | bytes) -> str:
-        return (raw.decode() if isinstance(raw, bytes) else raw).split("|")[2]
+        doc = json.loads(raw)
+        assert doc["allowed"] is False
+        return str(doc["reason"])
 
     for bad_kind, units, why in (("image", 1, "bad-kind"), ("model", 0, "bad-units")):
         assert reason(consume(keys=keys, args=[*ctx, bad_kind, units, "0"])) == why
-    reset = client.register_script(source("envelope_lib") + source("envelope_reset"))
+    reset = register(client, "envelope_reset", lib="envelope_lib")
     assert reason(reset(keys=keys, args=[*ctx, -1, "", ""])) == "bad-units"
-    commit = client.register_script(source("envelope_lib") + source("envelope_commit"))
+    commit = register(client, "envelope_commit", lib="envelope_lib")
     rsv = ev.reserve("tool", 1)
     assert reason(commit(keys=keys[:2], args=[rsv.member, 2])) == "bad-actual"
     assert reason(commit(keys=keys[:2], args=["x:tool:1", 1])) == "unknown"

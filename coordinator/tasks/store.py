@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from functools import cache
-from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 from overnight.config.errors import OvernightError
@@ -36,6 +34,7 @@ from overnight.coordinator.tasks.states import LIVE, QUEUED, RUNNING, Op, State,
 from overnight.coordinator.tasks.taskfile import TaskSpec
 from overnight.worker.redisio.clients import not_run, retry_transient
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
+from overnight.worker.redisio.scripts import COORDINATOR, register
 
 if TYPE_CHECKING:
     import redis
@@ -124,11 +123,11 @@ def _checked(task_id: str, result: list[Any]) -> list[Any]:
     raise TaskRefused(task_id, word, state)  # type: ignore[arg-type]
 
 
-@cache
-def _source(name: str) -> str:
+def _register(client: redis.Redis, name: str) -> Script:
     """A task script, after the Lua lines of its rows of the transitions table."""
-    text = resources.files("overnight.coordinator").joinpath("lua", f"task_{name}.lua").read_text()
-    return lua_prelude(name if name in get_args(Op) else None) + text  # type: ignore[arg-type]
+    op = name if name in get_args(Op) else None
+    prelude = lua_prelude(op)  # type: ignore[arg-type]
+    return register(client, f"task_{name}", package=COORDINATOR, prelude=prelude)
 
 
 _SCRIPTS = (
@@ -172,9 +171,7 @@ class TaskStore:
         self._retention = retention
         self.queued_grace = queued_grace
         self.patience = patience
-        self._scripts: dict[str, Script] = {
-            name: client.register_script(_source(name)) for name in _SCRIPTS
-        }
+        self._scripts: dict[str, Script] = {name: _register(client, name) for name in _SCRIPTS}
 
     @property
     def retention(self) -> int:

@@ -1,7 +1,7 @@
 """The call envelope: one budget of model and tool calls shared by every process naming it.
 
 State is one Redis hash per envelope. Each transition is one Lua script,
-``worker/lua/envelope_<op>.lua`` with ``envelope_lib.lua`` prepended, that checks every
+``worker/lua/envelope_<op>.lua`` after the library ``envelope_lib.lua``, that checks every
 precondition itself, so no interleaving of workers can overshoot the budget. An envelope
 that was never reset is empty and an unreachable Redis refuses: the envelope fails closed.
 """
@@ -22,7 +22,7 @@ from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.config.settings import NAME_RE
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
-from overnight.worker.redisio.scripts import source
+from overnight.worker.redisio.scripts import register
 from overnight.worker.supervise import procs
 
 if TYPE_CHECKING:
@@ -370,15 +370,9 @@ class CallEnvelope:
         *,
         refuse: bool = True,
     ) -> _Reply:
-        # EVALSHA directly: Script.__call__ rebuilds the argument tuples on every call. On
-        # NOSCRIPT (a restarted or flushed Redis) the script is loaded again, as it would.
-        client = self.client
         try:
-            try:
-                raw = client.evalsha(script.sha, numkeys, *keys_and_args)
-            except redis.exceptions.NoScriptError:
-                script.sha = client.script_load(script.script)
-                raw = client.evalsha(script.sha, numkeys, *keys_and_args)
+            keys = cast(Sequence[str], keys_and_args[:numkeys])
+            raw = script(keys=keys, args=keys_and_args[numkeys:])
         except redis.RedisError as exc:
             raise EnvelopeUnavailable(kind, " ".join(str(exc).split())) from exc
         reply = _Reply.parse(raw)
@@ -404,26 +398,36 @@ class _Reply(NamedTuple):
 
     @classmethod
     def parse(cls, raw: str | bytes) -> _Reply:
-        values = (raw.decode() if isinstance(raw, bytes) else raw).split("|")
-        if len(values) < 13:
-            return cls(False, values[2], EnvelopeState(), ("", ""))
+        """A script's JSON reply (the shape is in ``envelope_lib.lua``)."""
+        doc: dict[str, Any] = json.loads(raw)
+        fields: dict[str, str] | None = doc.get("state")
+        if fields is None:
+            return cls(False, doc["reason"], EnvelopeState(), ("", ""))
         # A validating __init__ is about twice as fast as model_construct here.
         state = EnvelopeState(
-            remaining=int(values[3] or 0),
-            consumed_model=int(values[4] or 0),
-            consumed_tool=int(values[5] or 0),
-            reserved_model=int(values[6] or 0),
-            reserved_tool=int(values[7] or 0),
-            max_model=int(values[8]) if values[8] else None,
-            max_tool=int(values[9]) if values[9] else None,
-            budget=int(values[10] or 0),
-            replayed=values[0] == "1",
+            remaining=_count(fields["remaining"]),
+            consumed_model=_count(fields["consumed_model"]),
+            consumed_tool=_count(fields["consumed_tool"]),
+            reserved_model=_count(fields["reserved_model"]),
+            reserved_tool=_count(fields["reserved_tool"]),
+            max_model=_cap(fields["max_model"]),
+            max_tool=_cap(fields["max_tool"]),
+            budget=_count(fields["budget"]),
+            max_tokens=_cap(fields["max_tokens"]),
+            consumed_tokens=_count(fields["consumed_tokens"]),
+            reserved_tokens=_count(fields["reserved_tokens"]),
+            replayed=bool(doc.get("replayed")),
         )
-        if len(values) >= 16:
-            state.max_tokens = int(values[13]) if values[13] else None
-            state.consumed_tokens = int(values[14] or 0)
-            state.reserved_tokens = int(values[15] or 0)
-        return cls(values[1] == "1", values[2], state, (values[11], values[12]))
+        extra = (str(doc.get("member", "")), str(doc.get("expires_ms", "")))
+        return cls(bool(doc["allowed"]), doc["reason"], state, extra)
+
+
+def _count(field: str) -> int:
+    return int(field) if field else 0
+
+
+def _cap(field: str) -> int | None:
+    return int(field) if field else None
 
 
 @contextmanager
@@ -432,8 +436,7 @@ def _guard(envelope: CallEnvelope, kind: str, request_id: str | None) -> Iterato
 
 
 def _register(client: redis.Redis, op: str) -> Script:
-    # register_script returns a Script that reloads itself after NOSCRIPT (a Redis restart).
-    return client.register_script(source("envelope_lib") + "\n" + source(f"envelope_{op}"))
+    return register(client, f"envelope_{op}", lib="envelope_lib")
 
 
 def _settings(*, required: bool) -> Settings | None:

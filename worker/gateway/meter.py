@@ -17,7 +17,7 @@ from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.worker.gateway.grant import digest
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
-from overnight.worker.redisio.scripts import source
+from overnight.worker.redisio.scripts import register
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -70,11 +70,10 @@ class Meter:
         self.client = client
         self.keys = Keys(namespace)
         self.host = host
-        lib = source("envelope_lib")
-        self._reserve = client.register_script(lib + "\n" + source("gateway_reserve"))
-        self._commit = client.register_script(lib + "\n" + source("gateway_commit"))
-        self._extend = client.register_script(lib + "\n" + source("gateway_extend"))
-        self._progress = client.register_script(source("gateway_progress"))
+        self._reserve = register(client, "gateway_reserve", lib="envelope_lib")
+        self._commit = register(client, "gateway_commit", lib="envelope_lib")
+        self._extend = register(client, "gateway_extend", lib="envelope_lib")
+        self._progress = register(client, "gateway_progress")
         self._cache: OrderedDict[str, Holder] = OrderedDict()
 
     async def holder(self, token: str) -> Holder | None:

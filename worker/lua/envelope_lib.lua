@@ -1,11 +1,11 @@
--- Shared prelude of the envelope scripts: worker/envelope.py prepends it to each of them.
+-- Shared library of the envelope scripts (and the gateway's): loaded before each of them.
 -- The envelope hash holds the eleven FIELDS below (the max_* fields only when capped).
 -- An open reservation is a member 'id:kind:units' of the reservations zset, scored by its
 -- expiry in server ms; reserved_<kind> always equals the units of the open members.
 -- Tokens (input + output, for the gateway) are not units: an open reservation of kind
 -- 'tokens' holds reserved_tokens against max_tokens and never touches `remaining`.
--- Replies are one string 'replayed|allowed|reason|<the first eight fields>|extra1|extra2|
--- max_tokens|consumed_tokens|reserved_tokens'.
+-- Replies are one JSON object (see reply below); the same text is what a request id stores,
+-- so a repeated call is answered with it again.
 local FIELDS = {'remaining', 'consumed_model', 'consumed_tool', 'reserved_model',
   'reserved_tool', 'max_model', 'max_tool', 'budget', 'max_tokens', 'consumed_tokens',
   'reserved_tokens'}
@@ -71,11 +71,25 @@ local function refusal(v, kind, units)
   return nil
 end
 
--- One concatenation expression: cheaper than building a table for table.concat.
-local function reply(allowed, reason, v, extra1, extra2)
-  return allowed .. '|' .. reason .. '|' .. v[1] .. '|' .. v[2] .. '|' .. v[3] .. '|' ..
-    v[4] .. '|' .. v[5] .. '|' .. v[6] .. '|' .. v[7] .. '|' .. v[8] .. '|' ..
-    (extra1 or '') .. '|' .. (extra2 or '') .. '|' .. v[9] .. '|' .. v[10] .. '|' .. v[11]
+-- {allowed, reason, state = {field = its value as a string, '' if absent}, member,
+-- expires_ms} as JSON; member and expires_ms only for a reservation taken.
+local function reply(allowed, reason, v, member, expires_ms)
+  local state = {}
+  for i = 1, 11 do state[FIELDS[i]] = v[i] end
+  return cjson.encode({allowed = allowed, reason = reason, state = state, member = member,
+    expires_ms = expires_ms})
+end
+
+-- A refusal decided before the state was read (or of a corrupt state): {allowed, reason}.
+local function refused(reason)
+  return cjson.encode({allowed = false, reason = reason})
+end
+
+-- The answer a request id stored, marked as replayed.
+local function replayed(first)
+  local answer = cjson.decode(first)
+  answer.replayed = true
+  return cjson.encode(answer)
 end
 
 -- Tokens still free under the cap (nil when there is no token cap).

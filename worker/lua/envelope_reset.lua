@@ -5,13 +5,14 @@
 -- ARGV[1] receipt context (JSON)  ARGV[2] n (>= 0)  ARGV[3] max_model ('' = no cap)
 -- ARGV[4] max_tool ('' = no cap)  ARGV[5] '1' = only if the envelope does not exist yet
 -- ARGV[6] max_tokens (absent or '' = no token cap)
--- Returns '0|1|ok|<state>||', '0|0|bad-units' or '0|0|exists' (nothing changed).
-if ARGV[5] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return '0|0|exists' end
+-- Returns JSON {allowed = true, reason = 'ok', state}, or {allowed = false, reason} with
+--   reason bad-units | exists (nothing changed).
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return refused('exists') end
 local n = tonumber(ARGV[2])
-if bad_units(n, 0) then return '0|0|bad-units' end
+if bad_units(n, 0) then return refused('bad-units') end
 local max_tokens = ARGV[6] or ''
 for _, cap in ipairs({ARGV[3], ARGV[4], max_tokens}) do
-  if cap ~= '' and bad_units(tonumber(cap), 0) then return '0|0|bad-units' end
+  if cap ~= '' and bad_units(tonumber(cap), 0) then return refused('bad-units') end
 end
 -- A reset repairs a corrupt record: its old values are not read, only replaced.
 local before = load(KEYS[1]) or {}
@@ -28,4 +29,4 @@ receipt(KEYS[3], ARGV[1], 'envelope_reset', {budget = n,
   max_model = tonumber(ARGV[3]), max_tool = tonumber(ARGV[4]), max_tokens = tonumber(max_tokens),
   previous_remaining = tonumber(before[1]), previous_consumed_model = tonumber(before[2]),
   previous_consumed_tool = tonumber(before[3])})
-return '0|' .. reply('1', 'ok', load(KEYS[1]))
+return reply(true, 'ok', load(KEYS[1]))

@@ -1,5 +1,6 @@
--- The lease beat as it was before issue 16's fix (commit e72dff6), kept for bench.hosts's
--- before/after comparison only: six calls a beat (the EXISTS is now the PEXPIRE's answer).
+-- The slower lease beat, kept for bench.hosts's before/after comparison only: six calls a
+-- beat, where worker/lua/lease_beat.lua makes five (it takes the EXISTS from the PEXPIRE's
+-- answer).
 -- Renew a running lease: push its lapse to min(now + gap, deadline), optionally set the note.
 -- KEYS[1] lease hash   KEYS[2] liveness key   KEYS[3] expiry index (zset)
 -- ARGV[1] token  ARGV[2] '1' to set the note, else '0'  ARGV[3] note
