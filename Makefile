@@ -34,5 +34,10 @@ docs: $(BIN)/mkdocs
 bench: $(BIN)/overnight
 	$(BIN)/python -m bench.all
 
+# A demo whose step user could not enter .overnight kept its scratch repository in the temp
+# folder, linked from .overnight/demo/<night>/scratch: removed with it.
 clean:
+	for link in .overnight/demo/*/scratch; do \
+	  if [ -L "$$link" ]; then rm -rf -- "$$(readlink "$$link")"; fi; \
+	done
 	rm -rf $(VENV) build .overnight .pytest_cache .mypy_cache .ruff_cache

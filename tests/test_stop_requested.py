@@ -1,4 +1,4 @@
-"""A stop the user asked for (issue 14 §4) as rules and in one process: a step it ends is
+"""A stop the user asked for, as rules and in one process: a step it ends is
 recorded as stopped and its task goes back to queued from its checkpoint, not lost; and
 step logs expire with their task's record."""
 

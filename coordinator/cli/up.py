@@ -115,7 +115,8 @@ def _until(text: str) -> float:
     type=click.Path(path_type=Path),
     default=Path(".overnight"),
     show_default=True,
-    help="Where the demo's copy of the tasks and its Redis live.",
+    help="Where the demo keeps each night: its scratch repository of the example tasks, "
+    "its Redis data, logs and report (never in the checkout itself).",
 )
 def demo_command(workers: int, state_dir: Path) -> None:
     """A one-minute demo on a private Redis, no network.

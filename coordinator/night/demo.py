@@ -1,4 +1,5 @@
-"""``overnight demo``: the example tasks through ``overnight up`` on a private Redis."""
+"""``overnight demo``: the example tasks through ``overnight up`` on a private Redis, in a
+scratch repository of their own (never the checkout it is started from)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from overnight.config.exits import (
     EXIT_USAGE,
     CommandError,
 )
+from overnight.config.folders import make_folders
 from overnight.coordinator.night.up import UpOptions, run_up
 from overnight.coordinator.tasks.states import State
+from overnight.coordinator.workspace import worktree
 from overnight.worker.sandbox.stepuser import STEP_USER, StepUser, decide, reach_problem
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -32,27 +35,36 @@ EXPECTED = {
 DEMO_USER = "nobody"
 # Enough for the first three tasks (2 + 4 + 4 calls at most); the fourth drains the rest.
 DEMO_BUDGET = 16
+# In a demo's folder: a link to its scratch folder when that had to live elsewhere.
+SCRATCH_LINK = "scratch"
 
 
 def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
-    """Copy the examples to a fresh folder, run them, print the report; 0 if each ended
-    as it is meant to."""
+    """Commit the examples to a fresh scratch repository, run them, print the report; 0 if
+    each ended as it is meant to."""
     if not examples.is_dir():
         raise CommandError(
             f"no example tasks at {examples}: this installation is incomplete", EXIT_USAGE
         )
-    run_dir = state_root / "demo" / time.strftime("%Y%m%d-%H%M%S")
     env, user = _step_user()
-    tasks = _copy_tasks(examples, run_dir / "tasks", user)
-    print(f"overnight demo: tasks copied to {tasks}; budget {DEMO_BUDGET} calls", file=sys.stderr)
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run_dir = make_folders(state_root.resolve() / "demo" / stamp, 0o711)
+    scratch = scratch_folder(run_dir, user)
+    repo = scratch_repository(examples, scratch / "repo")
+    workspace = make_folders(scratch / "workspace", 0o711)
+    print(
+        f"overnight demo: the example tasks in a scratch repository {repo}; "
+        f"budget {DEMO_BUDGET} calls",
+        file=sys.stderr,
+    )
     opts = UpOptions(
         workers=workers,
-        tasks=[tasks],
+        tasks=[repo],
         budget=DEMO_BUDGET,
         exit_when_done=True,
         state_dir=run_dir / "state",
         embedded=True,
-        env={"OVERNIGHT_NAMESPACE": "demo", **env},
+        env={"OVERNIGHT_NAMESPACE": "demo", "OVERNIGHT_STATE_DIR": str(workspace), **env},
     )
     result = run_up(opts)
     if result.report is not None:
@@ -87,18 +99,35 @@ def _step_user() -> tuple[dict[str, str], StepUser | None]:
     return {STEP_USER: DEMO_USER}, user
 
 
-def _copy_tasks(examples: Path, dest: Path, user: StepUser | None) -> Path:
-    """Copy the examples to ``dest``, the step user's own; where it cannot reach ``dest``
-    (a private state folder), to a fresh folder in the temp folder instead."""
-    existing = dest
-    while not existing.exists():
-        existing = existing.parent
-    if user is not None and reach_problem(existing / "x", user) is not None:
-        dest = Path(tempfile.mkdtemp(prefix="overnight-demo-")) / "tasks"
-        dest.parent.chmod(0o755)
-    shutil.copytree(examples, dest)
-    if user is not None:
-        for folder, dirs, files in os.walk(dest):
-            for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
-                os.chown(name, user.uid, user.gid)
-    return dest
+def scratch_folder(run_dir: Path, user: StepUser | None) -> Path:
+    """Where the demo's repository and worktrees go: ``run_dir`` itself, or, where the step
+    user cannot enter it (a state folder in a private home), a fresh folder of this night
+    in the temp folder, linked from ``run_dir/scratch`` (``make clean`` follows the link)."""
+    if user is None or reach_problem(run_dir / "x", user) is None:
+        return run_dir
+    scratch = Path(tempfile.mkdtemp(prefix="overnight-demo-"))
+    scratch.chmod(0o711)
+    (run_dir / SCRATCH_LINK).symlink_to(scratch)
+    return scratch
+
+
+def scratch_repository(examples: Path, repo: Path) -> Path:
+    """A git repository at ``repo`` holding one commit of the example tasks (an empty folder
+    gets a ``.keep`` file, since git keeps no empty folder and a task's workdir must exist
+    in its worktree)."""
+    shutil.copytree(examples, repo, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder, dirs, files in os.walk(repo):
+        if not dirs and not files:
+            Path(folder, ".keep").touch()
+    worktree.git("init", "--quiet", "--initial-branch=main", cwd=str(repo))
+    worktree.git("add", "--all", cwd=str(repo))
+    worktree.git(
+        "-c",
+        "commit.gpgsign=false",
+        "commit",
+        "--quiet",
+        "-m",
+        "overnight demo tasks",
+        cwd=str(repo),
+    )
+    return repo

@@ -413,7 +413,7 @@ class TaskLoop:
             cwd = self._space(rec).agent_cwd(self.config.step_user)
             tree = self._space(rec).tree
         prompt = build_prompt(spec, cp.memory)
-        # A folder of this task's own, which only the step user can enter (issue 14 §10).
+        # A folder of this task's own, which only the step user can enter.
         folder = stepuser.task_folder(self.config.prompt_dir, rec.id, self.config.step_user)
         prompt_file = stepuser.write_file(folder / "prompt.txt", prompt)
         short = _clip(prompt)
