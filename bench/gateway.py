@@ -8,7 +8,7 @@ through the gateway, interleaved: non-streaming latency (p50, p99), streaming ti
 byte, and 200 streams held at once (all answered 200, each read to its end). With
 ``--litellm BIN`` (the ``litellm`` command of a bench-only venv: ``pip install
 'litellm[proxy]'``, never the project's) LiteLLM's proxy is measured the same way on the same
-upstream in the same run. Goals (issue 13): p50 added <= 2 ms and <= 0.5 x LiteLLM's, 200
+upstream in the same run. Goals: p50 added <= 2 ms and <= 0.5 x LiteLLM's, 200
 concurrent streams on this machine, gateway RSS <= 80 MB.
 """
 

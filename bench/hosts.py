@@ -16,7 +16,7 @@ supervisor's is. Redis's CPU is measured in three windows of one run:
   line always seen since the last renewal: the most beats the keeper ever writes), with
   the current beat script.
 
-Targets (issue 16): beats cost <= 5% of one Redis core; a lost host (its beats and reaper
+Targets: beats cost <= 5% of one Redis core; a lost host (its beats and reaper
 stop at once) ended ``reaped: host-lost`` within 2x its TTL; envelope throughput across
 hosts >= 0.8x a single host's.
 """

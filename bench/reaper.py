@@ -1,7 +1,7 @@
 """Reaper benchmark: orphan latency after a supervisor is SIGKILLed, and pass cost at scale.
 
-``.venv/bin/python -m bench.reaper`` starts its own private redis-server. Targets (issues 4
-and 16): orphan latency (tree dead - supervisor SIGKILL, real supervisors with their
+``.venv/bin/python -m bench.reaper`` starts its own private redis-server. Targets:
+orphan latency (tree dead - supervisor SIGKILL, real supervisors with their
 proofs) <= gap + 0.25 s, whatever the interval; a pass over
 100,000 live leases of which 100 lapsed <= 50 ms and within 2x of the 100-lease pass.
 """

@@ -7,8 +7,8 @@ silently until their gap kills them), and for ``--seconds`` SIGKILLs random work
 (the in-process supervisors of the steps), workers and the reaper, restarting what it
 killed. A third of the way in it holds Redis at ``maxmemory`` (noeviction: every write
 refused with OOM) for a while, and two thirds in it restarts Redis (its AOF keeps the
-data); every worker and the reaper must live through both (issue 14). Then it lets the
-system settle and checks every invariant of issue 7:
+data); every worker and the reaper must live through both. Then it lets the system settle
+and checks every invariant:
 
 - envelope arithmetic: budget == remaining + consumed_model + consumed_tool; every
   consumed unit has exactly one request id with an allowed answer (none lost or doubled),

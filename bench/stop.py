@@ -3,7 +3,7 @@
 ``python -m bench.stop [--rounds 3] [--grace 1]`` starts a private redis-server and, each
 round, runs ``overnight up --until <now + lead>`` on one task whose agent hangs (``sleep``,
 no output, a long heartbeat gap). It prints, per round, when the hung step's lease ended
-and when ``up`` exited, both after the stop time. Target (issue 15): the step ends within
+and when ``up`` exited, both after the stop time. Target: the step ends within
 grace + 2 s of the stop.
 """
 

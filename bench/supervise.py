@@ -1,11 +1,11 @@
 """Supervisor benchmark: how fast a silent child is killed, and what a supervisor costs.
 
 ``.venv/bin/python -m bench.supervise`` starts its own private redis-server (about a
-minute). Targets (issue 2): p95 of (kill time - last beat) <= gap + 0.3 s over 20 runs at
-gap 1 s; median wall of ``overnight supervise --quiet -- true`` <= 0.35 s; supervisor peak
-RSS <= 40 MB. Issue 11 tightened the first two: kill latency within gap + 0.1 s, and the
-overhead of ``true`` within 1.3x of 0.209 s (0.272 s). As root, set OVERNIGHT_STEP_USER or
-OVERNIGHT_ALLOW_ROOT_STEPS=1 (the child must be able to read the bench's scripts).
+minute). Targets: p95 of (kill time - last beat) <= gap + 0.1 s over 20 runs at gap 1 s;
+median wall of ``overnight supervise --quiet -- true`` <= 0.35 s, and within 1.3x of the
+0.209 s measured without containment (0.272 s); supervisor peak RSS <= 40 MB. As root, set
+OVERNIGHT_STEP_USER or OVERNIGHT_ALLOW_ROOT_STEPS=1 (the child must be able to read the
+bench's scripts).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 
-# Issue 11: containment keeps `supervise -- true` within 1.3x of the 0.209 s measured before.
+# Containment keeps `supervise -- true` within 1.3x of the 0.209 s measured without it.
 OVERHEAD = 1.3 * 0.209
 # Who steps run as (contract §1): kept from the caller's environment.
 STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             det = detection(env, args.runs, args.gap, work)
         finally:
             server.stop()
-    target = args.gap + 0.1  # issue 11: kill latency within gap + 0.1 s
+    target = args.gap + 0.1  # kill latency within gap + 0.1 s
     p95 = _pct(det, 0.95)
     med = statistics.median(sup)
     peak = max(rss)

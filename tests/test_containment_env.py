@@ -1,4 +1,4 @@
-"""A step holds no credential and beats without Redis (issue 11, items 1 and 2).
+"""A step holds no credential and beats without Redis.
 
 The rules as tables (the step's environment, declared names, who may beat), then a hostile
 step for real: under ``overnight supervise`` and as a task's agent on ``overnight worker

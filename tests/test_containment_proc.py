@@ -1,4 +1,4 @@
-"""Nothing of the control plane is readable from a step (the non-root path of issue 11).
+"""Nothing of the control plane is readable from a step (the non-root path).
 
 The whole stack runs as an unprivileged user (``nobody``) against a private Redis, with a
 sentinel model API key. A task's agent, of the same uid as the worker, walks its ancestors

@@ -1,4 +1,4 @@
-"""The tree dies, for real (issue 11 §6): a step that tries to outlive its lease fails.
+"""The tree dies, for real: a step that tries to outlive its lease fails.
 
 Each scenario is a step, run as the step user, that starts escapees and leaves them behind:
 pid hopping (16 fork-and-exit chains at once), ``setsid`` + ``env -i``, ``nohup``, a

@@ -1,4 +1,4 @@
-"""The step user (issue 11 §3) and a Redis a step cannot get into.
+"""The step user and a Redis a step cannot get into.
 
 When overnight runs as root, steps run as ``OVERNIGHT_STEP_USER``; a setting that cannot be
 honoured ends the command with one line naming it (exit 78), never a silent fallback. Run
@@ -320,7 +320,7 @@ def test_a_hostile_task_agent_leaves_the_task_envelope_and_receipts_truthful(
     }
     out = stage / "report.json"
     uid = str(step_user.uid)
-    # The agent runs as the step user; its rules (issue 12) as overnight's own user.
+    # The agent runs as the step user; its rules as overnight's own user.
     rules = [["test", "-f", "ok.txt"], ["sh", "-c", f'test "$(id -u)" != {uid}']]
     hostile = task_file(
         stage, "hostile", [PY3, str(stage / "probe.py"), str(redis_server.port), str(out)], rules

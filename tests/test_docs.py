@@ -186,6 +186,19 @@ def test_no_issue_numbers_in_the_docs() -> None:
     assert ISSUE_NUMBER.findall("since issue 14, see #12") == ["issue 14", "#12"]
 
 
+def test_no_issue_numbers_in_the_code() -> None:
+    """Comments and docstrings say why, never which issue asked for it."""
+    words = re.compile(r"\bissues? #?\d+", re.IGNORECASE)  # "#999" is a colour in code
+    folders = ["config", "worker", "coordinator", "overnight", "tests", "bench", ".ci"]
+    hits = []
+    for path in sorted(p for f in folders for p in (ROOT / f).rglob("*") if p.is_file()):
+        if path.suffix not in {".py", ".lua", ".sh", ".toml", ".md"} or path == Path(__file__):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            hits += [f"{path.relative_to(ROOT)}:{number}: {m}" for m in words.findall(line)]
+    assert hits == []
+
+
 def test_every_page_is_in_the_site() -> None:
     nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     assert [p.name for p in doc_pages() if f": {p.name}" not in nav] == []

@@ -1,4 +1,4 @@
-"""Issue 14 §8: under `overnight supervise --lease-file`, a child that rewrites
+"""Under `overnight supervise --lease-file`, a child that rewrites
 ``heartbeat_unix`` (and ``note``) in the file beats (and notes); nothing else it writes there
 counts: it cannot end its lease, extend its deadline or make the supervisor block."""
 

@@ -1,4 +1,4 @@
-"""A stop the user asks of a worker or of `up` (issue 14 §4), with real processes and a private
+"""A stop the user asks of a worker or of `up`, with real processes and a private
 Redis: the step in flight is ended and recorded as stopped, its task goes back to queued from
 its checkpoint (not lost, not paused), its lease is ended, its tree is gone, and the RQ worker
 is unregistered. A worker that dies (SIGKILL) is still an unknown outcome: see

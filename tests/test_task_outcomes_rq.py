@@ -1,4 +1,4 @@
-"""Issue 14 §6, §7, §9 end to end: real `overnight worker` processes on a private Redis.
+"""End to end with real `overnight worker` processes on a private Redis.
 
 RQ sees the task's outcome (a job whose task did not end finished_verified is failed, with
 the state and detail as the reason); an agent that cannot start ends agent_failed at once

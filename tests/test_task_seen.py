@@ -1,4 +1,4 @@
-"""Issue 14 §6: what a task's steps printed is kept, unclean lease endings are said in words,
+"""What a task's steps printed is kept, unclean lease endings are said in words,
 an agent that cannot start ends the task as agent_failed without burning a call, and a
 verifier rule that runs past its limit says it timed out."""
 

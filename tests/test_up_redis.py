@@ -1,4 +1,4 @@
-"""Issue 14 §7: `up` uses OVERNIGHT_REDIS_URL when it is set and otherwise always its own
+"""`up` uses OVERNIGHT_REDIS_URL when it is set and otherwise always its own
 Redis (never a server that merely answers on the default address); its first line names
 the Redis, password masked, and the namespace."""
 

@@ -1,4 +1,4 @@
-"""Issue 12: each task works on its own branch; the verifier checks a pinned commit.
+"""Each task works on its own branch; the verifier checks a pinned commit.
 
 Real git repositories in tmp folders (identity in the repo's own config), the real loop with
 plain subprocess steps, a private redis-server for the record. Every tampering an agent

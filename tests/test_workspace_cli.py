@@ -1,4 +1,4 @@
-"""Issue 12 end to end: `overnight submit`, two real workers (steps under leases), and what
+"""End to end: `overnight submit`, two real workers (steps under leases), and what
 the morning gets: status fields, `overnight diff`, the report's diffstat, worktree pruning."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ could have lapsed, rides out a Redis outage for up to the gap (fail closed after
 always before Redis could let the lease lapse: recovery may then run the task elsewhere),
 and says when the step must end and why (a :class:`worker.supervise.outcome.Outcome`).
 
-Renewing every ``gap/3`` rather than on every line (every 0.25 s before) keeps beats cheap
-for Redis (issue 16) and costs the gap no precision: it is judged here, on every line. A
+Renewing every ``gap/3`` rather than on every line keeps beats cheap for Redis and costs
+the gap no precision: it is judged here, on every line. A
 step that keeps showing progress leaves its liveness key at least ``2*gap/3`` when a
 renewal is due, so a failed one is retried (every ``retry_interval``) long before the key
 could lapse; one silent for most of the gap is renewed at its next line, as before.
