@@ -14,7 +14,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from overnight.config import validate
+from overnight.config import defaults, validate
 from overnight.config.errors import OvernightError
 from overnight.config.validate import ENV_PREFIX, NAME_RE, RULES, mask_url
 
@@ -44,19 +44,19 @@ class Settings(BaseSettings):
         env_ignore_empty=True,
     )
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "overnight"
+    redis_url: str = defaults.REDIS_URL
+    namespace: str = defaults.NAMESPACE
     queue: str = "overnight"
-    heartbeat_gap: float = Field(30.0, gt=0)
-    deadline: float = Field(180.0, gt=0)
-    grace: float = Field(5.0, ge=0)
+    heartbeat_gap: float = Field(defaults.HEARTBEAT_GAP, gt=0)
+    deadline: float = Field(defaults.DEADLINE, gt=0)
+    grace: float = Field(defaults.GRACE, ge=0)
     budget: int | None = Field(None, ge=0)
     model_url: str | None = Field(
         None, validation_alias=AliasChoices("OVERNIGHT_MODEL_URL", "MODEL_URL", "model_url")
     )
     model_api_key: SecretStr | None = None
-    model_name: str = "gpt-4o-mini"
-    model_timeout: float = Field(60.0, gt=0)
+    model_name: str = defaults.MODEL_NAME
+    model_timeout: float = Field(defaults.MODEL_TIMEOUT, gt=0)
     # The gateway's Anthropic-compatible upstream (the OpenAI-compatible one is model_url).
     anthropic_url: str | None = None
     # The model the "claude" preset asks for (the OpenAI-wire presets use model_name).
@@ -66,11 +66,14 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(4680, ge=1, le=65535)
     gateway_url: str | None = None
+    # The output cap the gateway gives a non-streaming model request that names none (so its
+    # hold covers what it can cost); 0: such a request is refused.
+    gateway_max_output: int = Field(8192, ge=0)
     # How long an envelope remembers a request id, so a retried call is answered, not re-charged.
-    request_id_ttl: int = Field(86_400, gt=0)
+    request_id_ttl: int = Field(defaults.REQUEST_ID_TTL, gt=0)
     # How often the reaper passes, and how long a reaper's host heartbeat lives without renewal.
     reaper_interval: float = Field(2.0, gt=0)
-    reaper_host_ttl: float = Field(30.0, gt=0)
+    reaper_host_ttl: float = Field(defaults.REAPER_HOST_TTL, gt=0)
     max_lost_leases: int = Field(3, ge=1)
     # A task's claim lapses this long after its worker stopped renewing it (the worker died);
     # recovery passes (in every `overnight worker`) look for such tasks this often.
@@ -78,13 +81,13 @@ class Settings(BaseSettings):
     recovery_interval: float = Field(5.0, gt=0)
     # Seconds everything a finished task leaves (record, receipts, RQ job and result, lease
     # documents) is kept; receipts older than this are trimmed.
-    retention: int = Field(604_800, gt=0)
+    retention: int = Field(defaults.RETENTION, gt=0)
     # Who steps run as when overnight runs as root; running them as root needs the opt-in.
     step_user: str | None = None
     allow_root_steps: bool = False
     # Each step in a bubblewrap sandbox of its own ("bwrap"), or only the older containment
     # ("off", said at start); "bwrap" where no sandbox can start is exit 78.
-    sandbox: str = "off"
+    sandbox: str = defaults.SANDBOX
     # This host's id in leases, reaper heartbeats, receipts and proofs (unset: the host name).
     host_id: str | None = None
     # overnight's own folder on this host: task worktrees, verifier checkouts, snapshots

@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from overnight.config import defaults
+
 ENV_PREFIX = "OVERNIGHT_"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = (
@@ -271,6 +273,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "gateway_host": text,
     "gateway_port": whole(1),
     "gateway_url": model_url,
+    "gateway_max_output": whole(0),
     "request_id_ttl": whole(1),
     "retention": whole(1),
     "reaper_interval": positive,
@@ -293,14 +296,14 @@ RULES: dict[str, Callable[[object], object]] = {
 class QuickSettings:
     """The settings ``overnight supervise`` needs (defaults as ``Settings`` declares them)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "overnight"
-    heartbeat_gap: float = 30.0
-    deadline: float = 180.0
-    grace: float = 5.0
+    redis_url: str = defaults.REDIS_URL
+    namespace: str = defaults.NAMESPACE
+    heartbeat_gap: float = defaults.HEARTBEAT_GAP
+    deadline: float = defaults.DEADLINE
+    grace: float = defaults.GRACE
     step_user: str | None = None
     allow_root_steps: bool = False
-    sandbox: str = "off"
+    sandbox: str = defaults.SANDBOX
 
 
 def read_fast(environ: Mapping[str, str], dotenv: bool | None = None) -> QuickSettings | None:

@@ -5,8 +5,9 @@ Run as ``python tests/scripted_upstream.py``: it listens on a free loopback port
 ``port N``. The model name scripts the answer: a name containing ``tool`` asks for two tool
 calls, ``nousage`` reports no usage, ``e500`` answers HTTP 500, ``slow<N>`` waits N seconds
 before answering, ``long`` streams 200 chunks 20 ms apart, ``big`` streams 50,000 characters
-of chat text. ``GET /_seen`` returns every
-request it got (path, query, headers, body).
+of chat text, ``fill`` bills every output token the request allows (its output cap times its
+``n``/``best_of``), as an upstream whose model writes to the limit would. ``GET /_seen``
+returns every request it got (path, query, headers, body).
 
 ``--script FILE`` plays a real agent's model instead: FILE is JSON ``{"turns": [{"text": ...,
 "shell": CMD or null, "delay": SECONDS}, ...], "count": "all" | "tools"}``. Each completion
@@ -127,12 +128,24 @@ class Script:
 SCRIPT: Script | None = None
 
 
-def chat(model: str, reply: Reply, include_usage: bool) -> tuple[Any, list[bytes]]:
+def billed_output(model: str, body: dict[str, Any]) -> int:
+    """Output tokens the answer reports: ``OUTPUT``, or with ``fill`` all the request allows."""
+    if "fill" not in model:
+        return OUTPUT
+    caps = [body.get(k) for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")]
+    cap = max([c for c in caps if isinstance(c, int)] or [OUTPUT])
+    choices = max([c for c in (body.get("n"), body.get("best_of")) if isinstance(c, int)] or [1])
+    return int(cap * choices)
+
+
+def chat(
+    model: str, reply: Reply, include_usage: bool, output: int = OUTPUT
+) -> tuple[Any, list[bytes]]:
     tools = bool(reply.calls)
     usage = (
         None
         if "nousage" in model
-        else {"prompt_tokens": INPUT, "completion_tokens": OUTPUT, "total_tokens": INPUT + OUTPUT}
+        else {"prompt_tokens": INPUT, "completion_tokens": output, "total_tokens": INPUT + output}
     )
     calls = [
         {
@@ -184,7 +197,7 @@ def chat(model: str, reply: Reply, include_usage: bool) -> tuple[Any, list[bytes
     return whole, events
 
 
-def responses(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
+def responses(model: str, reply: Reply, output_tokens: int = OUTPUT) -> tuple[Any, list[bytes]]:
     output: list[dict[str, Any]] = [
         {
             "type": "message",
@@ -230,8 +243,8 @@ def responses(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
     if "nousage" not in model:
         whole["usage"] = {
             "input_tokens": INPUT,
-            "output_tokens": OUTPUT,
-            "total_tokens": INPUT + OUTPUT,
+            "output_tokens": output_tokens,
+            "total_tokens": INPUT + output_tokens,
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
@@ -293,7 +306,7 @@ def responses(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
     return whole, events
 
 
-def messages(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
+def messages(model: str, reply: Reply, output: int = OUTPUT) -> tuple[Any, list[bytes]]:
     content: list[dict[str, Any]] = [{"type": "text", "text": reply.text}]
     content += [
         {"type": "tool_use", "id": f"tu{i}", "name": name, "input": args}
@@ -301,7 +314,7 @@ def messages(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
     ]
     usage = {
         "input_tokens": INPUT,
-        "output_tokens": OUTPUT,
+        "output_tokens": output,
         "cache_read_input_tokens": CACHE_READ,
         "cache_creation_input_tokens": CACHE_WRITE,
     }
@@ -367,7 +380,7 @@ def messages(model: str, reply: Reply) -> tuple[Any, list[bytes]]:
     stop = {"stop_reason": stop_reason, "stop_sequence": None}
     delta: dict[str, Any] = {"type": "message_delta", "delta": stop}
     if "nousage" not in model:
-        delta["usage"] = {"output_tokens": OUTPUT}
+        delta["usage"] = {"output_tokens": output}
     events += [_sse(delta, "message_delta"), _sse({"type": "message_stop"}, "message_stop")]
     return whole, events
 
@@ -412,11 +425,11 @@ async def handle(request: web.Request) -> web.StreamResponse:
     stream = body.get("stream") is True
     if request.path == "/v1/chat/completions":
         include = (body.get("stream_options") or {}).get("include_usage") is True
-        whole, events = chat(model, reply, include)
+        whole, events = chat(model, reply, include, billed_output(model, body))
     elif request.path == "/v1/responses":
-        whole, events = responses(model, reply)
+        whole, events = responses(model, reply, billed_output(model, body))
     else:
-        whole, events = messages(model, reply)
+        whole, events = messages(model, reply, billed_output(model, body))
     if not stream:
         return web.json_response(whole, headers={"x-upstream": "scripted"})
     out = web.StreamResponse(

@@ -210,8 +210,9 @@ def test_anthropic_json_and_stream_forward_headers(gw: Gw, upstream: str) -> Non
     assert state.consumed_tokens == 2 * ANTHROPIC_TOKENS
     rows = gw.calls()
     assert [(c["cache_read_tokens"], c["cache_write_tokens"]) for c in rows] == [(3, 2), (3, 2)]
-    # A 20000-token ask held one chunk, not 20000.
-    assert rows[0]["hold"] < 10_000
+    # A whole answer that may be 20000 tokens holds them all; a stream holds what it asked
+    # (at most one chunk, more as it runs).
+    assert rows[0]["hold"] > 20_000 and 100 < rows[1]["hold"] < 8192
 
 
 def test_query_string_count_tokens_models_and_head(gw: Gw, upstream: str) -> None:
@@ -290,6 +291,55 @@ def test_token_cap_of_the_envelope_and_task_caps(gw: Gw) -> None:
     assert gw.r.hget(gw.keys.task("t1"), "tokens_used") == str(3 * UP_TOKENS)
     assert gw.r.hget(gw.keys.task("t1"), "tokens_held") == "0"
     assert gw.envelope().snapshot().consumed_model == 2
+
+
+def test_a_request_is_held_at_its_worst_case_or_refused(gw: Gw, upstream: str) -> None:
+    # The upstream bills every token a request allows (its cap times its choices).
+    gw.envelope().reset(100, max_tokens=50_000)
+    msgs: Any = [{"role": "user", "content": "x"}]
+    _, token = gw.grant(task_id="hostile", max_tokens=20_000)
+    client = gw.openai(token)
+    # 50 choices of 8000 tokens (400,000) could never be held: refused before anything.
+    with pytest.raises(openai.BadRequestError, match="choices"):
+        client.chat.completions.create(model="m-fill", messages=msgs, max_tokens=8000, n=50)
+    for bad in ({"n": 2.5}, {"max_tokens": -1}, {"max_completion_tokens": "8000"}):
+        status, reply = _raw(
+            f"{gw.url}/v1/chat/completions",
+            body=json.dumps({"model": "m-fill", "messages": msgs, **bad}).encode(),
+            Authorization=f"Bearer {token}",
+        )
+        assert status == 400 and reply["error"]["type"] == "invalid_request_error", bad
+    status, reply = _raw(
+        f"{gw.url}/v1/messages",
+        body=json.dumps({"model": "m-fill", "messages": msgs, "max_tokens": True}).encode(),
+        **{"x-api-key": token},
+    )
+    assert status == 400 and reply["type"] == "error"
+    # 8 choices of 8000 (64,000) are a hold past the task's 20,000: refused, nothing spent.
+    with pytest.raises(openai.RateLimitError, match="max_tokens"):
+        client.chat.completions.create(model="m-fill", messages=msgs, max_tokens=8000, n=8)
+    assert not [s for s in _seen(upstream) if s["body"].get("model") == "m-fill"]
+    assert gw.calls() == []
+    assert gw.envelope().snapshot().consumed_tokens == 0
+    assert int(gw.r.hget(gw.keys.task("hostile"), "tokens_used") or 0) == 0
+
+    # The benign twin: each answer is charged what the upstream billed, within its hold.
+    _, token = gw.grant(task_id="benign", max_tokens=20_000)
+    client = gw.openai(token)
+    reply = client.chat.completions.create(model="m-fill", messages=msgs, max_tokens=100, n=3)
+    assert reply.usage is not None and reply.usage.completion_tokens == 300
+    # A whole request that names no cap is given the default one, and holds it.
+    reply = client.chat.completions.create(model="m-fill", messages=msgs)
+    assert reply.usage is not None and reply.usage.completion_tokens == 8192
+    assert [s for s in _seen(upstream) if s["body"].get("model") == "m-fill"][-1]["body"][
+        "max_tokens"
+    ] == 8192
+    rows = gw.calls()
+    assert [r["tokens"] for r in rows] == [11 + 300, 11 + 8192]
+    assert all(r["hold"] >= r["tokens"] for r in rows)
+    assert gw.r.hget(gw.keys.task("benign"), "tokens_used") == str(22 + 8492)
+    state = gw.envelope().snapshot()
+    assert (state.consumed_tokens, state.reserved_tokens) == (22 + 8492, 0)
 
 
 # --- who may call: a hostile step's tokens -----------------------------------------------

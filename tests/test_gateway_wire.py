@@ -135,7 +135,7 @@ def test_split_events_keeps_a_partial_event() -> None:
             ("m", False, 7, True),
         ),
         ("responses", {"model": "m", "max_output_tokens": 64000}, ("m", False, 64000, False)),
-        ("messages", {"model": "m", "max_tokens": True}, ("m", False, None, False)),
+        ("messages", {"model": "m", "max_tokens": None}, ("m", False, None, False)),
     ],
 )
 def test_read_ask(route: wire.Route, body: dict[str, Any], want: tuple[Any, ...]) -> None:
@@ -143,18 +143,115 @@ def test_read_ask(route: wire.Route, body: dict[str, Any], want: tuple[Any, ...]
     assert (ask.model, ask.stream, ask.max_output, ask.wants_usage) == want
 
 
-@pytest.mark.parametrize("body", [[], {"stream": True}, {"model": ""}, {"model": 3}])
-def test_read_ask_refuses_what_is_not_a_request(body: Any) -> None:
+@pytest.mark.parametrize(
+    ("route", "extra", "want"),
+    [
+        # (output cap per choice, choices billed, worst output)
+        ("chat", {"max_tokens": 8000, "n": 8}, (8000, 8, 64000)),
+        ("chat", {"max_tokens": 10, "best_of": 3, "n": 2}, (10, 3, 30)),
+        ("chat", {"max_completion_tokens": 5, "max_tokens": 9}, (9, 1, 9)),
+        ("chat", {"n": 4}, (None, 4, None)),
+        ("chat", {"max_output_tokens": 99}, (None, 1, None)),  # not chat's field
+        ("responses", {"max_output_tokens": 300, "n": 2}, (300, 2, 600)),
+        ("responses", {"max_tokens": 300}, (None, 1, None)),
+        ("messages", {"max_tokens": 4096}, (4096, 1, 4096)),
+        ("messages", {"max_tokens": 4096, "n": 1, "best_of": None}, (4096, 1, 4096)),
+    ],
+)
+def test_the_worst_case_output_per_format(
+    route: wire.Route, extra: dict[str, Any], want: tuple[Any, ...]
+) -> None:
+    ask = wire.read_ask(route, {"model": "m", **extra})
+    assert (ask.max_output, ask.choices, ask.worst_output) == want
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("chat", []),
+        ("chat", {"stream": True}),
+        ("chat", {"model": ""}),
+        ("chat", {"model": 3}),
+        ("chat", {"model": "m", "n": 50, "max_tokens": 8000}),  # above MAX_CHOICES
+        ("chat", {"model": "m", "best_of": wire.MAX_CHOICES + 1}),
+        ("chat", {"model": "m", "n": 0}),
+        ("chat", {"model": "m", "n": -2}),
+        ("chat", {"model": "m", "n": 2.5}),
+        ("chat", {"model": "m", "n": "8"}),
+        ("chat", {"model": "m", "n": True}),
+        ("chat", {"model": "m", "max_tokens": -1}),
+        ("chat", {"model": "m", "max_tokens": 0}),
+        ("chat", {"model": "m", "max_completion_tokens": 1e9}),
+        ("chat", {"model": "m", "max_tokens": "8000"}),
+        ("responses", {"model": "m", "max_output_tokens": 12.0}),
+        ("messages", {"model": "m", "max_tokens": True}),
+        ("messages", {"model": "m", "max_tokens": [8000]}),
+    ],
+)
+def test_read_ask_refuses_what_cannot_be_bounded(route: wire.Route, body: Any) -> None:
     with pytest.raises(ValueError):
-        wire.read_ask("chat", body)
+        wire.read_ask(route, body)
 
 
 @pytest.mark.parametrize(
     ("max_output", "want"),
     [(None, 100 + wire.HOLD_CHUNK + 1), (64000, 100 + wire.HOLD_CHUNK + 1), (10, 100 + 11)],
 )
-def test_a_hold_is_at_most_one_chunk_of_output(max_output: int | None, want: int) -> None:
+def test_a_stream_holds_at_most_one_chunk_of_output(max_output: int | None, want: int) -> None:
     assert wire.hold_for(400, wire.Ask("m", True, max_output)) == want
+
+
+@pytest.mark.parametrize(
+    ("max_output", "choices", "want"),
+    [
+        (8000, 50, 100 + 400_000 + 1),
+        (64000, 1, 100 + 64000 + 1),
+        (10, 3, 100 + 30 + 1),
+        (1, 1, 100 + 1 + 1),
+    ],
+)
+def test_a_whole_answer_holds_its_worst_case(max_output: int, choices: int, want: int) -> None:
+    assert wire.hold_for(400, wire.Ask("m", False, max_output, choices=choices)) == want
+
+
+def test_a_whole_answer_with_no_cap_cannot_be_held() -> None:
+    with pytest.raises(ValueError):
+        wire.hold_for(400, wire.Ask("m", False, None))
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "cap", "want"),
+    [
+        # (the field written, the worst output then held); None: forwarded unchanged
+        ("chat", {"model": "m"}, 8192, ("max_tokens", 8192)),
+        ("chat", {"model": "m", "n": 3}, 100, ("max_tokens", 300)),
+        ("responses", {"model": "m"}, 50, ("max_output_tokens", 50)),
+        ("messages", {"model": "m"}, 50, ("max_tokens", 50)),
+        ("chat", {"model": "m", "max_completion_tokens": 7}, 8192, None),
+        ("chat", {"model": "m", "stream": True}, 8192, None),  # a stream is held in chunks
+        ("chat", {"model": "m", "stream": True}, 0, None),
+    ],
+)
+def test_a_whole_request_with_no_cap_is_given_the_default(
+    route: wire.Route, body: dict[str, Any], cap: int, want: tuple[str, int] | None
+) -> None:
+    bounded = wire.bound_output(route, body, wire.read_ask(route, body), cap)
+    if want is None:
+        assert bounded is None
+        return
+    assert bounded is not None
+    forward, ask = bounded
+    name, worst = want
+    assert forward == {**body, name: cap}
+    assert ask.worst_output == worst
+    assert wire.hold_for(0, ask) == worst + 1
+
+
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
+def test_no_default_cap_refuses_a_whole_request_that_names_none(route: wire.Route) -> None:
+    body = {"model": "m"}
+    with pytest.raises(ValueError, match="must name"):
+        wire.bound_output(route, body, wire.read_ask(route, body), 0)
 
 
 def test_a_chat_stream_is_asked_for_its_usage_once() -> None:

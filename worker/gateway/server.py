@@ -89,6 +89,8 @@ class Config:
     anthropic: Upstream
     model_timeout: float = 60.0
     max_body: int = wire.MAX_BODY
+    # The output cap a whole (non-streaming) request that names none is given; 0: refused.
+    default_output: int = wire.HOLD_CHUNK
 
 
 class Gateway:
@@ -186,13 +188,23 @@ class Gateway:
         try:
             parsed = json.loads(body)
             ask = wire.read_ask(route, parsed)
+            forward = wire.ask_for_usage(route, parsed, ask) or parsed
+            bounded = wire.bound_output(route, forward, ask, self.config.default_output)
+            if bounded is not None:
+                forward, ask = bounded
+            if forward is not parsed:
+                body = json.dumps(forward).encode()
+            tokens = wire.hold_for(len(body), ask)
         except ValueError as exc:
+            log.info(
+                "gateway: lease=%s task=%s: refused a bad request: %s",
+                who.lease_id,
+                who.task_id,
+                exc,
+            )
             return _error(fam, 400, f"malformed request: {str(exc).splitlines()[0]}")
-        changed = wire.ask_for_usage(route, parsed, ask)
-        if changed is not None:
-            body = json.dumps(changed).encode()
         try:
-            hold = await self.meter.reserve(who, wire.hold_for(len(body), ask), route)
+            hold = await self.meter.reserve(who, tokens, route)
         except Refused as exc:
             log.info(
                 "gateway: lease=%s task=%s: refused (%s): %s",
@@ -355,7 +367,8 @@ class _Call:
         """Hold another chunk if the stream's output is about to pass its hold; if that is
         refused, send what came, then the format's error event: True when the stream is cut."""
         held_output = self.hold.tokens - len(self.body) // wire.BYTES_PER_TOKEN - 1
-        if self.ask.max_output is not None and held_output >= self.ask.max_output:
+        worst = self.ask.worst_output
+        if worst is not None and held_output >= worst:
             return False  # the model cannot write more than was asked, and that is held
         if wire.streamed_tokens(self.usage) < held_output:
             return False
@@ -536,4 +549,5 @@ def config_from(settings: Any) -> Config:
             upstream_base(settings.anthropic_url), secret(settings.anthropic_api_key)
         ),
         model_timeout=settings.model_timeout,
+        default_output=settings.gateway_max_output,
     )
