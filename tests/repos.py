@@ -59,6 +59,37 @@ def task_toml(folder: Path, agent: str, *, name: str = "task", **extra: object) 
 
 FIX = "import pathlib; pathlib.Path('calc.py').write_text('def add(a, b):\\n    return a + b\\n')"
 
+# ``python -c REWRITER WHERE BRANCH BASE MARK``: waits (up to 60 s) until BRANCH of the
+# repository at WHERE has a commit past BASE (an agent step's, committed), then for 20 s
+# writes the fix into BRANCH's worktree every 20 ms, writing MARK after its first write.
+REWRITER = f"""
+import os, pathlib, subprocess, sys, time
+where, branch, base, mark = sys.argv[1:5]
+def git(*args):
+    done = subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=where,
+                          capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+def tree():
+    path = None
+    for line in git("worktree", "list", "--porcelain").splitlines():
+        if line.startswith("worktree "):
+            path = line[len("worktree "):]
+        elif line == "branch refs/heads/" + branch:
+            return path
+end = time.monotonic() + 60
+while git("rev-parse", "--verify", "-q", branch) in ("", base) or not tree():
+    if time.monotonic() > end:
+        sys.exit(1)
+    time.sleep(0.05)
+calc = pathlib.Path(tree(), "calc.py")
+end = time.monotonic() + 20
+while time.monotonic() < end:
+    calc.write_text({FIXED!r})
+    if not os.path.exists(mark):
+        pathlib.Path(mark).write_text("landed")
+    time.sleep(0.02)
+"""
+
 # Ways to pass the checks without fixing the bug, each an agent in one line of Python.
 TAMPERS = {
     "edit-the-test": (
@@ -87,13 +118,38 @@ TAMPERS = {
         "os.chmod(s, 0o755);"
         "pathlib.Path('tests/test_calc.py').unlink()"
     ),
+    # Leaves a process behind that rewrites calc.py fixed once the step's commit is taken,
+    # while the rules run (REWRITER): the rules must check the commit, not the live tree.
     "background-rewriter": (
-        "import subprocess, sys, os; os.makedirs('build', exist_ok=True);"
-        "code = 'import time, pathlib\\ntime.sleep(1.5)\\nfor _ in range(400):\\n"
-        '    pathlib.Path("calc.py").write_text("def add(a, b):\\\\n    return a + b\\\\n")\\n'
-        "    time.sleep(0.02)\\n';"
-        "p = subprocess.Popen([sys.executable, '-c', code], start_new_session=True,"
+        "import os, subprocess, sys; os.makedirs('build', exist_ok=True);"
+        "g = lambda *a: subprocess.run(['git', *a], capture_output=True, text=True).stdout.strip();"
+        "argv = ['.', g('symbolic-ref', '--short', 'HEAD'), g('rev-parse', 'HEAD'),"
+        " os.environ.get('REWRITE_MARK', 'build/landed')];"
+        f"p = subprocess.Popen([sys.executable, '-c', {REWRITER!r}, *argv],"
+        " start_new_session=True,"
         " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL);"
         "open('build/pid', 'w').write(str(p.pid))"
     ),
 }
+
+
+# A rule that passes once MARK exists (the rewrite landed), fails after 30 s without it.
+WAIT_FOR_MARK = (
+    "import os, sys, time\nend = time.monotonic() + 30\n"
+    "while not os.path.exists(sys.argv[1]):\n"
+    "    if time.monotonic() > end:\n        sys.exit(1)\n    time.sleep(0.05)\n"
+)
+
+
+def rewriter_task(folder: Path, mark: Path, **extra: object) -> Path:
+    """The background-rewriter task for ``folder``: its first rule waits until the rewrite
+    landed (MARK), so the other two run while the live tree holds the fix; one turn
+    (an agent step and three rules)."""
+    verifier = [
+        {"name": "landed", "run": [PY, "-c", WAIT_FOR_MARK, str(mark)]},
+        {"name": "check", "run": ["python3", "check.py"]},
+        {"name": "tests", "run": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]},
+    ]
+    env = {"PATH": "bin:" + os.environ.get("PATH", ""), "REWRITE_MARK": str(mark)}
+    extra = {"max_calls": 4, **extra}
+    return task_toml(folder, TAMPERS["background-rewriter"], verifier=verifier, env=env, **extra)

@@ -26,7 +26,18 @@ from overnight.coordinator.tasks.taskfile import TaskFileError, load
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.worker.redisio import receipts
 from tests.helpers import wait_for
-from tests.repos import BUGGY, CHECK, FIX, FIXED, TAMPERS, TEST, make_repo, sh, task_toml
+from tests.repos import (
+    BUGGY,
+    CHECK,
+    FIX,
+    FIXED,
+    TAMPERS,
+    TEST,
+    make_repo,
+    rewriter_task,
+    sh,
+    task_toml,
+)
 
 
 def run(r: redis.Redis, namespace: str, tmp_path: Path, path: Path) -> TaskRecord:
@@ -154,9 +165,11 @@ def test_a_tampering_never_reaches_finished_verified(
     r: redis.Redis, namespace: str, tmp_path: Path, name: str
 ) -> None:
     repo = make_repo(tmp_path / "repo")
-    path = task_toml(repo, TAMPERS[name])
-    if name == "background-rewriter":  # one turn: the rewriter runs while its rules do
-        path.write_text(path.read_text().replace('"max_calls": 9', '"max_calls": 3'))
+    mark = tmp_path / "landed"
+    if name == "background-rewriter":
+        path = rewriter_task(repo, mark)
+    else:
+        path = task_toml(repo, TAMPERS[name])
     rec = run(r, namespace, tmp_path, path)
     try:
         assert rec.state != "finished_verified", rec.detail
@@ -165,6 +178,18 @@ def test_a_tampering_never_reaches_finished_verified(
         if name != "background-rewriter":
             assert PROTECTED_RULE in verdict.failed
             assert rec.checkpoint.protected_changed
+        else:
+            # The rewrite landed in the live tree before the other rules ran ("landed"
+            # passed); they checked the step's commit, which still has the bug.
+            assert mark.exists() and verdict.failed == ["check", "tests"], verdict.failed
+            [checked] = [
+                rc.data["commit"]
+                for rc in receipts.read(r, Keys(namespace), task_id=rec.id)
+                if rc.kind == "verdict"
+            ]
+            assert (
+                checked == rec.checkpoint.head and sh(repo, "show", f"{checked}:calc.py") == BUGGY
+            )
         assert rec.checkpoint.branch == f"overnight/{rec.id}"
     finally:
         tree = workspace.worktree_path(tmp_path / "state", namespace, rec.id, rec.run)

@@ -7,15 +7,29 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from overnight.config.keys import Keys
+from overnight.worker.redisio import receipts
 from overnight.worker.sandbox.stepuser import StepUser
 from tests.helpers import OVERNIGHT
-from tests.repos import FIX, FIXED, TAMPERS, make_repo, sh, task_toml
+from tests.repos import (
+    BUGGY,
+    FIX,
+    FIXED,
+    REWRITER,
+    TAMPERS,
+    make_repo,
+    rewriter_task,
+    sh,
+    task_toml,
+)
 
 
 @pytest.fixture
@@ -194,18 +208,30 @@ def test_the_agent_works_as_the_step_user_and_the_rules_run_as_overnight(
 
 @pytest.mark.slow
 def test_tamperings_under_real_leases_are_flagged_and_never_verified(
-    wenv: dict[str, str], tmp_path: Path
+    wenv: dict[str, str], tmp_path: Path, r: redis.Redis
 ) -> None:
     assert cli(wenv, "envelope", "reset", "100").returncode == 0
     repo = make_repo(tmp_path / "repo")
     names = ("conftest-passes-failures", "path-shim", "background-rewriter")
+    mark = tmp_path / "landed"
     files = []
-    for i, name in enumerate(names):
+    for i, name in enumerate(names[:2]):
         path = task_toml(repo, TAMPERS[name], name=f"t{i}", id=f"t{i}", max_calls=3)
         files.append(path)
+    files.append(rewriter_task(repo, mark, name="t2", id="t2"))
     proc = cli(wenv, "submit", *map(str, files))
     assert proc.returncode == 0, proc.stderr
-    worker = cli(wenv, "worker", "--burst", timeout=150)
+    # The agent's own rewriter ends with its tree under a real lease; this one, outside any
+    # lease, stands for one that got away: it rewrites t2's live tree while its rules run.
+    base = sh(repo, "rev-parse", "HEAD").strip()
+    rewriter = subprocess.Popen(
+        [sys.executable, "-c", REWRITER, str(repo), "overnight/t2", base, str(mark)]
+    )
+    try:
+        worker = cli(wenv, "worker", "--burst", timeout=150)
+    finally:
+        rewriter.kill()
+        rewriter.wait()
     assert worker.returncode == 0, worker.stderr[-3000:]
     report = cli(wenv, "report", "--plain").stdout
     for i, name in enumerate(names):
@@ -216,4 +242,14 @@ def test_tamperings_under_real_leases_are_flagged_and_never_verified(
         if name != "background-rewriter":
             assert st["protected_changed"] and "protected-paths" in st["last_verdict"]["failed"]
             assert "PROTECTED CHANGED" in line
+    # The rewrite landed before t2's other rules ran ("landed" passed); they checked the
+    # step's commit, which still has the bug.
+    assert mark.exists() and status(wenv, "t2")["last_verdict"]["failed"] == ["check", "tests"]
+    [checked] = [
+        rc.data["commit"]
+        for rc in receipts.read(r, Keys(wenv["OVERNIGHT_NAMESPACE"]), task_id="t2")
+        if rc.kind == "verdict"
+    ]
+    assert checked == sh(repo, "rev-parse", "overnight/t2").strip()
+    assert sh(repo, "show", f"{checked}:calc.py") == BUGGY
     assert (repo / "calc.py").read_text() != FIXED
