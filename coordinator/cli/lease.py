@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import click
@@ -35,16 +36,7 @@ def quick_settings(environ: Mapping[str, str] | None = None) -> QuickSettings:
     from overnight.config.context import settings
 
     s = settings()
-    return QuickSettings(
-        s.redis_url,
-        s.namespace,
-        s.heartbeat_gap,
-        s.deadline,
-        s.grace,
-        s.step_user,
-        s.allow_root_steps,
-        s.sandbox,
-    )
+    return QuickSettings(**{f.name: getattr(s, f.name) for f in fields(QuickSettings)})
 
 
 def _seconds(name: str, value: float | None, default: float, *, zero_ok: bool = False) -> float:

@@ -230,13 +230,15 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     this run has ended or paused). Nothing it started outlives it."""
     from overnight.config.connection import connect
     from overnight.config.settings import load_settings
+    from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import decide
 
     stopper = StopRequested()
     stopper.install()
     os.environ.update(opts.env)
     settings = load_settings()
-    decide(settings.step_user, settings.allow_root_steps, os.geteuid())  # exit 78 if it cannot be
+    user = decide(settings.step_user, settings.allow_root_steps, os.geteuid())  # exit 78 if not
+    launch.require(settings.sandbox, user)  # exit 78 if a sandbox is asked for and cannot start
     lock = _lock_state_dir(opts.state_dir)
     # Orphans of what the stack starts are re-parented here, so the final sweep reaps them.
     set_child_subreaper()

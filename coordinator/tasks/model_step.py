@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from overnight.config import defaults
 from overnight.config.errors import OvernightError
 
 SYSTEM = (
@@ -80,7 +81,10 @@ def settings_from_line(line: bytes) -> ModelSettings:
         raise ValueError("stdin: not a JSON object") from None
     if not isinstance(data, dict):
         raise ValueError("stdin: not a JSON object")
-    values: dict[str, Any] = {"model_name": "gpt-4o-mini", "model_timeout": 60.0}
+    values: dict[str, Any] = {
+        "model_name": defaults.MODEL_NAME,
+        "model_timeout": defaults.MODEL_TIMEOUT,
+    }
     for var in MODEL_VARS:
         if data.get(var) in (None, ""):
             continue

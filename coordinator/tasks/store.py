@@ -13,6 +13,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
+from overnight.config import defaults
 from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 
@@ -147,7 +148,6 @@ _SCRIPTS = (
 # A queued task's RQ job is first checked by recovery this long after it was queued, then
 # again every as long (its job may simply not have been taken yet).
 QUEUED_GRACE = 30.0
-DEFAULT_RETENTION = 604_800
 # How long a write the server refused to run (OOM, LOADING...) is tried again before the
 # refusal is raised to the caller.
 WRITE_PATIENCE = 60.0
@@ -182,7 +182,7 @@ class TaskStore:
             try:
                 self._retention = settings().retention
             except Exception:  # a bad setting is reported by whoever loads it first
-                self._retention = DEFAULT_RETENTION
+                self._retention = defaults.RETENTION
         return self._retention
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:

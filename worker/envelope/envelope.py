@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 import redis
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from overnight.config import defaults
 from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.config.settings import NAME_RE
@@ -34,7 +35,6 @@ Kind = Literal["model", "tool"]
 KINDS: tuple[Kind, ...] = ("model", "tool")
 # Lua numbers are doubles: beyond 2**53 the scripts' comparisons would stop being exact.
 MAX_UNITS = 2**53
-DEFAULT_REQUEST_TTL = 86_400
 
 
 class EnvelopeState(BaseModel):
@@ -187,9 +187,9 @@ class CallEnvelope:
         if namespace is None or request_ttl is None:
             settings = _settings(required=namespace is None)
             if namespace is None:
-                namespace = settings.namespace if settings else "overnight"
+                namespace = settings.namespace if settings else defaults.NAMESPACE
             if request_ttl is None:
-                request_ttl = settings.request_id_ttl if settings else DEFAULT_REQUEST_TTL
+                request_ttl = settings.request_id_ttl if settings else defaults.REQUEST_ID_TTL
         self.client = redis_client
         self.name = name
         self.namespace = namespace

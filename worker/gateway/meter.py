@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from overnight.config import defaults
 from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.worker.gateway.grant import digest
@@ -104,7 +105,7 @@ class Meter:
             lease_id,
             raw.get("envelope") or "default",
             task_id,
-            float(raw.get("gap") or 30.0),
+            float(raw.get("gap") or defaults.HEARTBEAT_GAP),
             json.dumps(labels),
         )
         self._cache[key] = found

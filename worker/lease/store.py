@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from overnight.config import defaults
 from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.worker.redisio.scripts import register
@@ -38,7 +39,7 @@ def _retention() -> int:
     # OVERNIGHT_RETENTION, read without the settings model (it loads pydantic); a bad value
     # is reported by the command's own settings check, so the default stands in here.
     raw = os.environ.get("OVERNIGHT_RETENTION", "")
-    return int(raw) if raw.strip().isdigit() and int(raw) > 0 else 7 * 86_400
+    return int(raw) if raw.strip().isdigit() and int(raw) > 0 else defaults.RETENTION
 
 
 # Ended lease documents stay readable this long (`overnight lease show`), then expire.

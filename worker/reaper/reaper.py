@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from overnight.config import defaults
 from overnight.config.keys import Keys
 from overnight.worker.lease import proof
 from overnight.worker.lease.store import LeaseCorrupt, LeaseDoc, Leases
@@ -107,9 +108,9 @@ def reap_once(
     client: redis.Redis,
     keys: Keys,
     *,
-    grace: float = 5.0,
+    grace: float = defaults.GRACE,
     host: str | None = None,
-    host_ttl: float | None = 30.0,
+    host_ttl: float | None = defaults.REAPER_HOST_TTL,
     hold_off: float | None = None,
     page: int = PAGE,
     stop: threading.Event | None = None,

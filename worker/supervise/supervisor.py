@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from overnight.config import defaults
 from overnight.config.keys import Keys
 from overnight.worker.beat.channel import SOCKET_VAR, Beat, Channel
 from overnight.worker.gateway import grant as gateway_grant
@@ -76,9 +77,9 @@ class StepSpec:
     """
 
     argv: list[str]
-    deadline: float = 180.0
-    gap: float = 30.0
-    grace: float = 5.0
+    deadline: float = defaults.DEADLINE
+    gap: float = defaults.HEARTBEAT_GAP
+    grace: float = defaults.GRACE
     lease_id: str | None = None
     cwd: str | None = None
     env: dict[str, str] | None = None

@@ -1,0 +1,23 @@
+"""Defaults of the settings that are also read without the settings model.
+
+``Settings`` declares every default; those below are the ones a module also needs where it
+cannot load pydantic (the supervise path, a lease store at import, a model step reading its
+own stdin), so each is written here once and both read it. Any other default lives only in
+``Settings``.
+"""
+
+from __future__ import annotations
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NAMESPACE = "overnight"
+HEARTBEAT_GAP = 30.0
+DEADLINE = 180.0
+GRACE = 5.0
+SANDBOX = "off"
+MODEL_NAME = "gpt-4o-mini"
+MODEL_TIMEOUT = 60.0
+# How long an envelope remembers a request id (a day).
+REQUEST_ID_TTL = 86_400
+# How long an ended task's record, its receipts and ended lease documents are kept (a week).
+RETENTION = 604_800
+REAPER_HOST_TTL = 30.0
