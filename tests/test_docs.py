@@ -19,7 +19,9 @@ from rq.utils import import_attribute
 from overnight.config.settings import Settings
 from overnight.config.validate import ENV_PREFIX
 from overnight.coordinator.cli.main import cli as main
+from overnight.coordinator.tasks import taskfile
 from overnight.coordinator.tasks.taskfile import TaskSpec
+from tests.repos import make_repo
 
 ROOT = Path(__file__).resolve().parent.parent
 # The checkout's folders that the installed package maps under `overnight.`: a path starting
@@ -170,6 +172,20 @@ def test_a_wrong_worker_path_is_caught() -> None:
     flat = "rq worker -w coordinator.dispatch.OvernightWorker overnight"
     (path,) = RQ_WORKER_CLASS.findall(flat)
     assert path.split(".")[0] in LAYER_FOLDERS
+
+
+def test_the_readme_task_file_validates(tmp_path: Path) -> None:
+    """README's first-night task file, pointed at a repository with tests, loads as submit
+    would load it."""
+    (text,) = re.findall(r"```toml\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    workdir = re.search(r'^workdir = "([^"]+)"', text, re.MULTILINE)
+    assert workdir is not None
+    repo = make_repo(tmp_path / "repo")
+    path = tmp_path / "nights" / "fix-parser.toml"
+    path.parent.mkdir()
+    path.write_text(text.replace(workdir.group(1), str(repo)), encoding="utf-8")
+    spec = taskfile.load(path, state=tmp_path / "state")
+    assert (spec.id, spec.agent, spec.workspace) == ("fix-parser", "codex", "worktree")
 
 
 def test_readme_is_a_door() -> None:
