@@ -7,10 +7,10 @@ holding its share of the running leases and running its reaper's pass (heartbeat
 the expiry index) every reaper interval; every call is one round trip, as a real
 supervisor's is. Redis's CPU is measured in three windows of one run:
 
-- before: each lease beats every gap/4 with the old beat script (``lease_beat_before.lua``),
-  the old keeper's cadence for ``--beat-while-alive``; its cadence for a step printing
-  lines was every 0.25 s, too many beats to drive here, so that figure is extrapolated
-  from the measured cost of one beat;
+- before: each lease beats every gap/4 with the baseline beat script
+  (``bench/lua/lease_beat_before.lua``, six calls a beat), the baseline keeper's cadence for
+  ``--beat-while-alive``; its cadence for a step printing lines is every 0.25 s, too many
+  beats to drive here, so that figure is extrapolated from the measured cost of one beat;
 - reapers only: no beats, the reapers' passes and Redis's own housekeeping;
 - after: the real :class:`worker.supervise.keeper.Keeper` drives each lease, every step chatty (a
   line always seen since the last renewal: the most beats the keeper ever writes), with
@@ -50,7 +50,7 @@ from overnight.worker.supervise import procs
 from overnight.worker.supervise.keeper import Keeper
 
 NS = "bench-hosts"
-OLD_LINE_EVERY = 0.25  # the old keeper's beat cadence for a step that prints
+OLD_LINE_EVERY = 0.25  # the baseline keeper's beat cadence for a step that prints
 
 
 def _as_host(host_id: str) -> None:
@@ -62,7 +62,7 @@ def _as_host(host_id: str) -> None:
 class Plan:
     """Wall-clock times every process switches at (set once all leases exist)."""
 
-    quiet_at: float  # stop the old beats: reapers only
+    quiet_at: float  # stop the baseline's beats: reapers only
     after_at: float  # the keepers take over
     dead_at: float  # the lost host stops
     until: float
@@ -211,7 +211,7 @@ def beats_and_loss(url: str, args: argparse.Namespace) -> tuple[Window, Window, 
     total = sum(ready.get(timeout=300) for _ in workers)
     m, settle = args.measure, 2.0
     t = time.time()
-    # The quiet window is short: the old beats left every key at least 3/4 of the gap.
+    # The quiet window is short: the baseline's beats left every key at least 3/4 of the gap.
     quiet = min(5.0, args.gap / 6)
     plan = Plan(
         quiet_at=t + settle + m,

@@ -302,8 +302,8 @@ def test_parse_stop_at_refuses(text: str, in_past: bool) -> None:
         ("07:00", NOW, datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
         ("22:31", NOW, datetime(2026, 12, 3, 22, 31, tzinfo=UTC)),
         ("22:29", NOW, datetime(2026, 12, 4, 22, 29, tzinfo=UTC)),
-        # A worker started at 18:00 under 07:00 works through the night (the old nearest-
-        # occurrence rule called that night over before it began).
+        # A worker started at 18:00 under 07:00 works through the night (the nearest
+        # occurrence, this morning's, would call that night over before it began).
         ("07:00", NOW.replace(hour=18, minute=0), datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
         # Started after midnight: this morning's.
         ("07:00", NOW.replace(day=4, hour=2), datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),

@@ -23,7 +23,7 @@ BACKOFF_SEC = 1.0
 
 
 def night_summary(report: Report, reason: str, path: Path | None) -> dict[str, Any]:
-    """The end-of-night payload (README: "The notification")."""
+    """The end-of-night payload (docs/running.md: "The notification")."""
     return {
         "event": "night_ended",
         "reason": reason,

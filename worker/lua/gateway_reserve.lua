@@ -37,7 +37,7 @@ if not prepaid then
   end
 end
 -- A request is forwarded only if its whole hold fits: the cap is passed only by output
--- beyond what was held (see README, "Metering real agents").
+-- beyond what was held (docs/agents.md, "Metering real agents").
 local hold = want
 local left = tokens_left(v)
 if not why and left and left < hold then

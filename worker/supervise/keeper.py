@@ -82,7 +82,7 @@ class Keeper:
         self.io_budget = 3 * io_timeout(gap) if io_budget is None else io_budget
         # gap/3; sooner on a short gap, so that a renewal failing when due still leaves the
         # key half of what is left past the io budget (the outage is ridden out that long);
-        # never more often than the old per-line beats.
+        # never more often than min_interval, however chatty the step.
         self.renew_interval = max(self.min_interval, min(gap / 3, (gap - self.io_budget) / 2))
         self._beat_pending = False
         self.last_beat = now  # our last beat written to Redis (or the acquire)
