@@ -75,7 +75,7 @@ class SandboxSpec:
     bridge: tuple[str, ...] = ()
     bwrap: str = "bwrap"
     setpriv: str = "setpriv"
-    hostname: str = "overnight-step"
+    hostname: str = "overnight-sandbox"
     extra: tuple[str, ...] = field(default=())  # more bwrap options, placed before the argv
 
 
