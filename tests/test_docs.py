@@ -109,6 +109,25 @@ def test_every_command_is_on_the_commands_page() -> None:
     assert undocumented_commands(page) == []
 
 
+def undocumented_options(page: str) -> list[str]:
+    """`overnight CMD --option` for every option missing from the lines that document CMD."""
+    missing = []
+    for words, command, _ in every_command():
+        name = "overnight " + " ".join(words)
+        rows = "\n".join(line for line in page.splitlines() if f"`{name}" in line)
+        for param in command.params:
+            longs = [o for o in param.opts if o.startswith("--") and o != "--help"]
+            if isinstance(param, click.Option) and longs and not any(o in rows for o in longs):
+                missing.append(f"{name} {longs[0]}")
+    return missing
+
+
+def test_every_option_is_on_the_commands_page() -> None:
+    page = (DOCS / "commands.md").read_text(encoding="utf-8")
+    assert undocumented_options(page) == []
+    assert "overnight up --budget" in undocumented_options(page.replace("--budget N]", "]"))
+
+
 def test_a_missing_command_is_caught() -> None:
     page = (DOCS / "commands.md").read_text(encoding="utf-8")
     assert "overnight worktrees prune" in undocumented_commands(page.replace("worktrees prune", ""))
