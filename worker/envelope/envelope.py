@@ -12,16 +12,28 @@ import json
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from overnight.config import defaults
-from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.config.settings import NAME_RE
+from overnight.worker.envelope.refusals import (
+    EnvelopeEmpty,
+    EnvelopeRefused,
+    EnvelopeUnavailable,
+    ReservationLost,
+    refusal_message,
+)
+from overnight.worker.envelope.state import (
+    KINDS,
+    MAX_UNITS,
+    EnvelopeState,
+    Kind,
+    Reply,
+    Reservation,
+)
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
 from overnight.worker.redisio.scripts import register
 from overnight.worker.supervise import procs
@@ -31,138 +43,19 @@ if TYPE_CHECKING:
 
     from overnight.config.settings import Settings
 
-Kind = Literal["model", "tool"]
-KINDS: tuple[Kind, ...] = ("model", "tool")
-# Lua numbers are doubles: beyond 2**53 the scripts' comparisons would stop being exact.
-MAX_UNITS = 2**53
-
-
-class EnvelopeState(BaseModel):
-    """What is left and what was spent. ``model_dump()`` is the CLI's state JSON."""
-
-    remaining: int = 0
-    consumed_model: int = 0
-    consumed_tool: int = 0
-    reserved_model: int = 0
-    reserved_tool: int = 0
-    max_model: int | None = None
-    max_tool: int | None = None
-    budget: int = 0
-    # Tokens (input + output) metered by the gateway; no cap unless reset with one.
-    max_tokens: int | None = None
-    consumed_tokens: int = 0
-    reserved_tokens: int = 0
-    # False for an envelope that was never created (it refuses every call).
-    exists: bool = True
-    # True when a request id was seen before and this is its first answer, replayed.
-    replayed: bool = Field(False, exclude=True)
-
-    @model_serializer(mode="wrap")
-    def _tokens_when_metered(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # The token fields appear once tokens are capped or spent (contract section 5).
-        data: dict[str, Any] = handler(self)
-        if self.max_tokens is None and not self.consumed_tokens and not self.reserved_tokens:
-            for key in ("max_tokens", "consumed_tokens", "reserved_tokens"):
-                data.pop(key, None)
-        return data
-
-
-class EnvelopeRefused(OvernightError):
-    """A call was not allowed. Catch this to halt on any refusal, Redis outage included."""
-
-    kind: str
-
-
-class EnvelopeEmpty(EnvelopeRefused):
-    """The envelope refused a call: empty, never reset, short of units, or a per-kind cap.
-
-    ``reason`` is ``empty``, ``unknown``, ``short``, ``cap`` or ``corrupt`` (the record
-    holds something that is not a count: refused until reset); ``state`` is the envelope
-    as the refusing script saw it.
-    """
-
-    def __init__(
-        self,
-        kind: str,
-        remaining: int,
-        *,
-        reason: str = "empty",
-        units: int = 1,
-        state: EnvelopeState | None = None,
-        name: str | None = None,
-    ) -> None:
-        self.kind = kind
-        self.remaining = remaining
-        self.reason = reason
-        self.units = units
-        self.name = name
-        self.state = state or EnvelopeState(remaining=remaining)
-        super().__init__(refusal_message(kind, remaining, reason, units, self.state, name))
-
-    def public(self) -> dict[str, Any]:
-        """The CLI's error JSON (the contract's wording: an unknown envelope is empty)."""
-        line = refusal_message(self.kind, self.remaining, self.reason, self.units, self.state)
-        return {"error": line, "remaining": self.remaining, "kind": self.kind}
-
-
-class EnvelopeUnavailable(EnvelopeRefused):
-    """Redis could not be asked, so the call is refused (fail closed)."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        self.kind = kind
-        self.remaining: int | None = None
-        self.detail = detail
-        super().__init__(f"envelope unavailable; refused {kind} call; Redis unreachable: {detail}")
-
-
-class ReservationLost(OvernightError):
-    """A commit found no open reservation: it expired (and was refunded), was already
-    settled, or the envelope was reset since."""
-
-    def __init__(self, reservation: Reservation) -> None:
-        super().__init__(f"reservation {reservation.id} is no longer open")
-        self.reservation = reservation
-
-
-def refusal_message(
-    kind: str,
-    remaining: int,
-    reason: str,
-    units: int,
-    state: EnvelopeState,
-    name: str | None = None,
-) -> str:
-    """One line saying why a ``kind`` call was refused."""
-    if reason == "unknown" and name is not None:
-        return (
-            f"envelope {name!r} does not exist (create it with `overnight envelope reset N` "
-            f"or OVERNIGHT_BUDGET); refused {kind} call; remaining=0"
-        )
-    if reason == "short":
-        what = f"short of {units} units"
-    elif reason == "corrupt":
-        what = "record is corrupt (reset it to repair)"
-    elif reason == "cap":
-        what = f"{kind} cap reached (max_{kind}={getattr(state, f'max_{kind}')})"
-    else:
-        what = "empty"
-    return f"envelope {what}; refused {kind} call; remaining={remaining}"
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Units held by :meth:`CallEnvelope.reserve` until committed or expired."""
-
-    id: str
-    kind: Kind
-    units: int
-    expires_ms: int
-    state: EnvelopeState
-
-    @property
-    def member(self) -> str:
-        """The reservation as the scripts store it."""
-        return f"{self.id}:{self.kind}:{self.units}"
+__all__ = [
+    "KINDS",
+    "MAX_UNITS",
+    "CallEnvelope",
+    "EnvelopeEmpty",
+    "EnvelopeRefused",
+    "EnvelopeState",
+    "EnvelopeUnavailable",
+    "Kind",
+    "Reservation",
+    "ReservationLost",
+    "refusal_message",
+]
 
 
 class CallEnvelope:
@@ -369,13 +262,13 @@ class CallEnvelope:
         units: int = 1,
         *,
         refuse: bool = True,
-    ) -> _Reply:
+    ) -> Reply:
         try:
             keys = cast(Sequence[str], keys_and_args[:numkeys])
             raw = script(keys=keys, args=keys_and_args[numkeys:])
         except redis.RedisError as exc:
             raise EnvelopeUnavailable(kind, " ".join(str(exc).split())) from exc
-        reply = _Reply.parse(raw)
+        reply = Reply.parse(raw)
         if reply.reason.startswith("bad-"):
             raise ValueError(f"envelope refused the arguments: {reply.reason}")
         if reply.reason == "corrupt":
@@ -388,46 +281,6 @@ class CallEnvelope:
                 kind, state.remaining, reason=reply.reason, units=units, state=state, name=self.name
             )
         return reply
-
-
-class _Reply(NamedTuple):
-    allowed: bool
-    reason: str
-    state: EnvelopeState
-    extra: tuple[str, str]
-
-    @classmethod
-    def parse(cls, raw: str | bytes) -> _Reply:
-        """A script's JSON reply (the shape is in ``envelope_lib.lua``)."""
-        doc: dict[str, Any] = json.loads(raw)
-        fields: dict[str, str] | None = doc.get("state")
-        if fields is None:
-            return cls(False, doc["reason"], EnvelopeState(), ("", ""))
-        # A validating __init__ is about twice as fast as model_construct here.
-        state = EnvelopeState(
-            remaining=_count(fields["remaining"]),
-            consumed_model=_count(fields["consumed_model"]),
-            consumed_tool=_count(fields["consumed_tool"]),
-            reserved_model=_count(fields["reserved_model"]),
-            reserved_tool=_count(fields["reserved_tool"]),
-            max_model=_cap(fields["max_model"]),
-            max_tool=_cap(fields["max_tool"]),
-            budget=_count(fields["budget"]),
-            max_tokens=_cap(fields["max_tokens"]),
-            consumed_tokens=_count(fields["consumed_tokens"]),
-            reserved_tokens=_count(fields["reserved_tokens"]),
-            replayed=bool(doc.get("replayed")),
-        )
-        extra = (str(doc.get("member", "")), str(doc.get("expires_ms", "")))
-        return cls(bool(doc["allowed"]), doc["reason"], state, extra)
-
-
-def _count(field: str) -> int:
-    return int(field) if field else 0
-
-
-def _cap(field: str) -> int | None:
-    return int(field) if field else None
 
 
 @contextmanager
