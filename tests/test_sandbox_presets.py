@@ -22,7 +22,8 @@ from tests.agent_tasks import where as where
 from tests.helpers import capability
 
 HOSTNAME = "overnight-sandbox"  # what bwrap's --hostname names inside
-SHELL = f"{FIX} && hostname"
+# git reads work on the worktree inside (its repository bound read-only), else no fix.
+SHELL = f"git status --short && git diff --quiet && {FIX} && hostname"
 needs_bwrap = capability(None if launch.find_bwrap() else "bubblewrap is not installed")
 
 CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {

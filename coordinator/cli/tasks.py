@@ -15,6 +15,7 @@ import click
 
 from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
 from overnight.config.spawn import overnight_argv
+from overnight.coordinator.cli.nightopt import night_option
 
 if TYPE_CHECKING:
     from overnight.coordinator.tasks.store import TaskRecord, TaskStore
@@ -256,6 +257,7 @@ def _warn_missing_envelopes(names: list[str]) -> None:
 
 
 @click.command("status")
+@night_option
 @click.argument("task_id", required=False)
 def status_command(task_id: str | None) -> None:
     """Print a task's state as JSON (state, calls_used, turns, last_verdict, ...).
@@ -372,6 +374,7 @@ def rerun_command(task_id: str, budget: int | None, from_base: bool) -> None:
 
 
 @click.command("receipts")
+@night_option
 @click.argument("task_id", required=False)
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new receipts as they arrive.")
 def receipts_command(task_id: str | None, follow: bool) -> None:
@@ -393,6 +396,7 @@ def receipts_command(task_id: str | None, follow: bool) -> None:
 
 
 @click.command("logs")
+@night_option
 @click.argument("task_id")
 @click.option("--turn", type=click.IntRange(min=1), metavar="N", help="Only turn N's steps.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the task has settled.")
@@ -425,6 +429,7 @@ def logs_command(task_id: str, turn: int | None, follow: bool) -> None:
 
 
 @click.command("report")
+@night_option
 @click.option("--plain", is_flag=True, help="Plain text even on a terminal.")
 @click.option(
     "--html",
@@ -463,6 +468,7 @@ def report_command(plain: bool, html_file: Path | None) -> None:
 
 
 @click.command("diff")
+@night_option
 @click.argument("task_id")
 @click.option("--stat", is_flag=True, help="Only the diffstat.")
 def diff_command(task_id: str, stat: bool) -> None:

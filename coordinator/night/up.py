@@ -34,6 +34,7 @@ from overnight.coordinator.night.ending import (
     plural,
     resume_queued,
 )
+from overnight.coordinator.night.record import night_over, record_night
 from overnight.coordinator.night.stack import Stack
 from overnight.coordinator.report.progress import PlainProgress, TaskRow, table
 from overnight.coordinator.tasks.states import State
@@ -252,12 +253,14 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
             os.environ["OVERNIGHT_REDIS_URL"] = url
             settings = load_settings(redis_url=url)
             where = f"started a private redis-server, data and log in {opts.state_dir / 'redis'}"
+            record_night(opts.state_dir, settings.namespace, opts.state_dir / "redis", url)
         else:
             where = "OVERNIGHT_REDIS_URL"
         return _run(opts, settings, stack, stopper, connect, out, where)
     finally:
         stop_workers(stack, settings.grace)
         leftovers = stack.stop()
+        night_over(opts.state_dir)
         if leftovers:
             log.warning("killed %d leftover processes: %s", len(leftovers), leftovers)
         lock.close()

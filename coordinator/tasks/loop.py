@@ -56,6 +56,7 @@ from overnight.coordinator.workspace.worktree import GitError
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.lease.store import new_lease_id
 from overnight.worker.sandbox import stepenv, stepuser
+from overnight.worker.sandbox.launch import worktree_git
 from overnight.worker.sandbox.stepuser import StepUser
 
 log = logging.getLogger("overnight.loop")
@@ -459,7 +460,7 @@ class TaskLoop:
             home_files=home_files,
             on_line=reader,
             worktree=str(tree.path) if tree is not None else None,
-            readable=(str(folder),),
+            readable=(str(folder), *(worktree_git(tree.git_dir) if tree else ())),
         )
 
     def _grant(self, rec: TaskRecord) -> Grant | None:
