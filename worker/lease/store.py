@@ -11,28 +11,49 @@ This module imports neither redis nor pydantic, so ``overnight supervise`` and
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
-import math
 import os
 import secrets
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from overnight.config import defaults
 from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
+from overnight.worker.lease.doc import (
+    CONTRACT_FIELDS,
+    STATUSES,
+    TERMINAL,
+    LeaseCorrupt,
+    LeaseDoc,
+    Status,
+    as_text,
+    lapse_reason,
+    lapsed_reason,
+    status_for,
+)
 from overnight.worker.redisio.scripts import register
 from overnight.worker.supervise import procs
 
 if TYPE_CHECKING:
     import redis
 
-Status = Literal["running", "done", "expired", "killed"]
-STATUSES: frozenset[str] = frozenset({"running", "done", "expired", "killed"})
-TERMINAL: frozenset[str] = frozenset({"done", "expired", "killed"})
+__all__ = [
+    "CONTRACT_FIELDS",
+    "RETENTION_SEC",
+    "STATUSES",
+    "STREAM_MAXLEN",
+    "TERMINAL",
+    "LeaseCorrupt",
+    "LeaseDoc",
+    "LeaseRefused",
+    "Leases",
+    "Status",
+    "lapse_reason",
+    "lapsed_reason",
+    "new_lease_id",
+    "status_for",
+]
 
 
 def _retention() -> int:
@@ -47,32 +68,6 @@ RETENTION_SEC = _retention()
 # Same cap as worker.redisio.receipts.STREAM_MAXLEN (a test keeps them equal); not imported from
 # there because that module loads pydantic.
 STREAM_MAXLEN = 1_000_000
-CONTRACT_FIELDS = (
-    "lease_id",
-    "token",
-    "holder_pid",
-    "pgid",
-    "host",
-    "budget_sec",
-    "started_unix",
-    "deadline_unix",
-    "heartbeat_unix",
-    "heartbeat_max_gap_sec",
-    "status",
-    "note",
-    "exit_code",
-    "ended_unix",
-)
-_REQUIRED = (
-    "lease_id",
-    "token",
-    "budget_sec",
-    "started_unix",
-    "deadline_unix",
-    "heartbeat_unix",
-    "heartbeat_max_gap_sec",
-    "status",
-)
 
 
 class LeaseRefused(OvernightError):
@@ -82,117 +77,6 @@ class LeaseRefused(OvernightError):
         super().__init__(f"lease {lease_id}: refused: {reason}")
         self.lease_id = lease_id
         self.reason = reason
-
-
-class LeaseCorrupt(OvernightError, ValueError):
-    """A lease record in Redis is missing a field or holds a value of the wrong type."""
-
-
-@dataclass
-class LeaseDoc:
-    """The lease document, as ``overnight lease show`` prints it (contract section 2)."""
-
-    lease_id: str
-    token: int
-    budget_sec: float
-    started_unix: float
-    deadline_unix: float
-    heartbeat_unix: float
-    heartbeat_max_gap_sec: float
-    status: Status
-    holder_pid: int = 0
-    pgid: int = 0
-    host: str = ""
-    note: str = ""
-    exit_code: int | None = None
-    ended_unix: float | None = None
-    supervisor_pid: int = 0
-    child_start_ticks: int | None = None
-    boot_id: str = ""
-    task_id: str | None = None
-
-    @classmethod
-    def from_hash(cls, raw: dict[Any, Any]) -> LeaseDoc:
-        """Parse a lease hash; raises :class:`LeaseCorrupt` naming the bad field."""
-        data = {_text(k): _text(v) for k, v in raw.items()}
-        lease_id = data.get("lease_id") or "?"
-        for key in _REQUIRED:
-            if not data.get(key):
-                raise LeaseCorrupt(f"lease {lease_id}: record has no {key}")
-        if data["status"] not in STATUSES:
-            raise LeaseCorrupt(f"lease {lease_id}: bad status {data['status']!r}")
-        values: dict[str, Any] = {"lease_id": data["lease_id"], "status": data["status"]}
-        for f in dataclasses.fields(cls):
-            if f.name in values or f.name not in data:
-                continue
-            text = data[f.name]
-            kind = str(f.type)
-            try:
-                if kind in ("str", "Status"):
-                    values[f.name] = text
-                elif kind == "str | None":
-                    values[f.name] = text or None
-                elif not text:
-                    values[f.name] = 0 if kind == "int" else None
-                elif "int" in kind:
-                    values[f.name] = int(text)
-                else:
-                    number = float(text)
-                    if not math.isfinite(number):
-                        raise ValueError(text)
-                    values[f.name] = number
-            except ValueError:
-                raise LeaseCorrupt(f"lease {lease_id}: bad {f.name} {text!r}") from None
-        return cls(**values)
-
-    @property
-    def lapse_unix(self) -> float:
-        """When the liveness key lapses unless renewed (server clock)."""
-        return min(self.heartbeat_unix + self.heartbeat_max_gap_sec, self.deadline_unix)
-
-    def model_dump(self) -> dict[str, Any]:
-        """Every field as a dict (named like pydantic's, for callers that expect it)."""
-        return dataclasses.asdict(self)
-
-    def public(self) -> dict[str, Any]:
-        """The document as JSON data: the contract's keys first, then the extra ones."""
-        data = self.model_dump()
-        return {**{k: data[k] for k in CONTRACT_FIELDS}, **data}
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The :meth:`public` document as JSON text."""
-        return json.dumps(self.public(), indent=indent)
-
-
-def lapse_reason(doc: LeaseDoc, now: float) -> str | None:
-    """Why a running lease is over at server time ``now``, or None while it is live.
-
-    ``budget-exceeded`` once the deadline is crossed, else ``heartbeat-gap-X.Xs`` once the
-    last beat is older than the allowed gap. Pure: no Redis, no clock.
-    """
-    if now >= doc.deadline_unix:
-        return "budget-exceeded"
-    silent = now - doc.heartbeat_unix
-    if silent >= doc.heartbeat_max_gap_sec:
-        return f"heartbeat-gap-{silent:.1f}s"
-    return None
-
-
-def lapsed_reason(doc: LeaseDoc, now: float) -> str:
-    """Why a lease whose liveness key is already gone lapsed, at server time ``now``.
-
-    The key's TTL is rounded to whole milliseconds, so it may vanish a moment before
-    :func:`lapse_reason` would agree; this never returns None.
-    """
-    at = max(now, doc.lapse_unix)
-    if at >= doc.deadline_unix - 0.002:
-        return "budget-exceeded"
-    return f"heartbeat-gap-{at - doc.heartbeat_unix:.1f}s"
-
-
-def status_for(reason: str) -> Status:
-    """The terminal status a lapse reason ends a lease with."""
-    return "expired" if reason == "budget-exceeded" else "killed"
 
 
 def new_lease_id() -> str:
@@ -254,17 +138,17 @@ class Leases:
         _check(lease_id, res)
         self._end_keys[lease_id] = end_key
         # The document as the script just wrote it (same strings, same parse): no read back.
-        started = _text(res[2])
+        started = as_text(res[2])
         return LeaseDoc.from_hash(
             {
                 "lease_id": lease_id,
-                "token": _text(res[1]),
+                "token": as_text(res[1]),
                 "holder_pid": "0",
                 "pgid": "0",
                 "host": procs.hostname(),
                 "budget_sec": _num(budget_sec),
                 "started_unix": started,
-                "deadline_unix": _text(res[3]),
+                "deadline_unix": as_text(res[3]),
                 "heartbeat_unix": started,
                 "heartbeat_max_gap_sec": _num(gap_sec),
                 "status": "running",
@@ -370,7 +254,7 @@ class Leases:
                 ],
                 client=pipe,
             )
-        return [None if int(res[0]) == 1 else _text(res[1]) for res in pipe.execute()]
+        return [None if int(res[0]) == 1 else as_text(res[1]) for res in pipe.execute()]
 
     def get(self, lease_id: str) -> LeaseDoc | None:
         """The lease document, or None if there is no such lease."""
@@ -397,7 +281,7 @@ class Leases:
         ids = self.client.zrevrange(self.keys.leases, 0, limit - 1)
         pipe = self.client.pipeline(transaction=False)
         for lease_id in ids:
-            pipe.hgetall(self.keys.lease(_text(lease_id)))
+            pipe.hgetall(self.keys.lease(as_text(lease_id)))
         docs = []
         for raw in pipe.execute():
             if raw:
@@ -412,19 +296,15 @@ class Leases:
         secs, micros = self.client.time()
         now_ms = int(secs) * 1000 + int(micros) // 1000
         ids = self.client.zrangebyscore(self.keys.lease_expiry, "-inf", now_ms, start=0, num=limit)
-        return [_text(i) for i in ids]
+        return [as_text(i) for i in ids]
 
 
 def _check(lease_id: str, res: list[Any]) -> Any:
     ok, value = res[0], res[1]
     if int(ok) != 1:
-        raise LeaseRefused(lease_id, _text(value))
-    return _text(value) if isinstance(value, bytes) else value
+        raise LeaseRefused(lease_id, as_text(value))
+    return as_text(value) if isinstance(value, bytes) else value
 
 
 def _num(value: float) -> str:
     return f"{value:g}" if float(value).is_integer() else repr(float(value))
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
