@@ -1,8 +1,8 @@
 """End to end with real `overnight worker` processes on a private Redis.
 
 RQ sees the task's outcome (a job whose task did not end finished_verified is failed, with
-the state and detail as the reason); an agent that cannot start ends agent_failed at once
-and costs nothing; every step's output is kept for `overnight logs`; a rule that hangs is
+the state and detail as the reason); an agent command that cannot be found is refused at
+submit; every step's output is kept for `overnight logs`; a rule that hangs is
 ended at its own limit and says so; the worker's first line names its Redis and namespace.
 """
 
@@ -45,7 +45,6 @@ def test_outcomes_seen_by_rq_logs_and_receipts(tenv: dict[str, str], tmp_path: P
     say = "print('shall I continue?', flush=True); open('ok.txt', 'w').write('ok')"
     files = [
         task_file(tmp_path, "verified", [PY, "-c", say], [["test", "-f", "ok.txt"]]),
-        task_file(tmp_path, "typo", ["my-agnet", "{prompt}"], [["true"]], max_calls=6),
         task_file(
             tmp_path,
             "hanging-rule",
@@ -56,6 +55,11 @@ def test_outcomes_seen_by_rq_logs_and_receipts(tenv: dict[str, str], tmp_path: P
         ),
     ]
     assert run(tenv, "envelope", "reset", "20").returncode == 0
+    # §6: a typo'd agent is refused at submit, naming the command; nothing is enqueued.
+    typo = task_file(tmp_path, "typo", ["my-agnet", "{prompt}"], [["true"]], max_calls=6)
+    refused = run(tenv, "submit", str(typo), *map(str, files))
+    assert refused.returncode == 64 and "agent: command 'my-agnet' not found" in refused.stderr
+    assert run(tenv, "status").stdout.strip() == "[]"
     submitted = run(tenv, "submit", *map(str, files))
     assert submitted.returncode == 0, submitted.stderr
     worker = run(tenv, "worker", "--burst", timeout=100)
@@ -69,17 +73,11 @@ def test_outcomes_seen_by_rq_logs_and_receipts(tenv: dict[str, str], tmp_path: P
     password = settings.redis_url.split(":")[2].split("@")[0]
     assert password and password not in worker.stderr and ":****@" in first
 
-    states = {
-        t: json.loads(run(tenv, "status", t).stdout) for t in ("verified", "typo", "hanging-rule")
-    }
+    states = {t: json.loads(run(tenv, "status", t).stdout) for t in ("verified", "hanging-rule")}
     assert states["verified"]["state"] == "finished_verified"
 
-    # §6: a typo'd agent ends at once, naming the command, and burns no call.
-    typo = states["typo"]
-    assert typo["state"] == "agent_failed"
-    assert "'my-agnet'" in typo["detail"] and typo["calls_used"] == 0
     envelope = json.loads(run(tenv, "envelope", "status").stdout)
-    # verified: 2 units, hanging-rule: 2 units (agent and the rule that timed out), typo: none
+    # verified: 2 units, hanging-rule: 2 units (agent and the rule that timed out)
     assert envelope["remaining"] == 20 - 4
 
     # §6: a hanging rule is ended at its own limit (lease_seconds) and says so.
@@ -104,7 +102,7 @@ def test_outcomes_seen_by_rq_logs_and_receipts(tenv: dict[str, str], tmp_path: P
     finished = set(FinishedJobRegistry(queue, connection=rq_conn).get_job_ids())
     job_of = {t: states[t]["job_id"] for t in states}
     assert job_of["verified"] in finished and job_of["verified"] not in failed
-    for task in ("typo", "hanging-rule"):
+    for task in ("hanging-rule",):
         assert job_of[task] in failed and job_of[task] not in finished
         job = Job.fetch(job_of[task], connection=rq_conn)
         assert job.get_status() == JobStatus.FAILED

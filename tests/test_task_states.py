@@ -86,10 +86,11 @@ def test_legal(op: str, source: str | None, target: str, ok: bool) -> None:
     assert legal(op, source, target) is ok  # type: ignore[arg-type]
 
 
-def test_nothing_leaves_a_terminal_state_but_a_new_submit() -> None:
+def test_nothing_leaves_a_terminal_state_but_a_new_submit_or_a_rerun() -> None:
     for op, rows in TRANSITIONS.items():
-        for sources in rows.values():
-            assert op == "create" or not sources & TERMINAL, op
+        for target, sources in rows.items():
+            assert op in ("create", "rerun") or not sources & TERMINAL, op
+            assert op not in ("create", "rerun") or target == State.QUEUED, op
 
 
 def test_prelude_is_the_table_in_lua() -> None:

@@ -81,6 +81,20 @@ def agent_failed(cp: Checkpoint, command: str, why: str) -> Next:
     return Next(out, State.AGENT_FAILED, detail, (event,))
 
 
+def rule_cannot_start(cp: Checkpoint, name: str, command: str, why: str) -> Next:
+    """A verifier rule's command cannot be started: no turn can be judged, so the task
+    pauses for a person (who installs it, or fixes the rule) instead of burning turns; the
+    same step runs again on ``overnight reconcile --resume``."""
+    detail = (
+        f"rule {name}: command {command!r} {why}; install it or fix the rule's run, then "
+        "overnight reconcile --resume"
+    )
+    event = Event("rule_cannot_start", {"turn": cp.turn, "rule": name, "detail": detail})
+    out = cp.model_copy(deep=True)
+    out.in_flight = None
+    return Next(out, PAUSED, detail, (event,))
+
+
 def _kept(cp: Checkpoint, entry: StepLog) -> None:
     cp.steps = [*cp.steps, entry][-KEEP_STEPS:]
     if entry.ending:
@@ -217,6 +231,11 @@ def judge(
     if cp.step == 0 and out.exit_code in CANNOT_START and out.note.startswith("worker-exit-"):
         failed = agent_failed(cp, spec.command(), f"exit {out.exit_code}")
         return Next(failed.checkpoint, failed.state, failed.detail, (*events, *failed.events))
+    if cp.step > 0 and not out.started:
+        why = "was not found" if out.exit_code == 127 else "could not start"
+        rule = spec.verifier[cp.step - 1].run[0]
+        paused = rule_cannot_start(cp, name, rule, f"{why} (exit {out.exit_code})")
+        return Next(paused.checkpoint, PAUSED, paused.detail, (*events, *paused.events))
     if cp.step == 0 and cp.protected_changed:
         cp.results.append(protected_result(cp.protected_changed))
     if cp.step == 0:

@@ -33,6 +33,8 @@ from overnight.coordinator.tasks.judge import (
     lost_step,
     refused,
     request_id,
+    rule_cannot_start,
+    step_name,
 )
 from overnight.coordinator.tasks.record import (
     CheckedTree,
@@ -190,6 +192,7 @@ class TaskLoop:
         self.token = uuid.uuid4().hex
         self.keeper: ClaimKeeper | None = None
         self.space: TaskSpace | None = None
+        self._ran = False  # the step in flight was handed to the runner (it may have spent)
 
     def run(self, task_id: str, attempt: int, runner: Runner) -> str:
         """Claim the task and loop; returns the state it was left in (or why it was not run)."""
@@ -240,9 +243,17 @@ class TaskLoop:
                     self._space(rec).agent_cwd(self.config.step_user)
                 except (GitError, OSError, WorkspaceError) as exc:
                     return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
-            unstartable = self._unstartable(spec) if cp.step == 0 else None
-            if unstartable is not None:  # ends the task before its call is charged
-                return self._write(rec, agent_failed(cp, spec.command(), unstartable))
+            step_deadline = min(deadline - now, self._step_deadline(spec))
+            by_stop = stop.stop_cut(now, self.config.stop_at, self.config.grace, step_deadline)
+            step_deadline = step_deadline if by_stop is None else by_stop
+            try:  # before the step is charged: a step that cannot be prepared costs nothing
+                req = self._request(rec, cp, step_deadline)
+            except (GitError, OSError, WorkspaceError) as exc:
+                what = step_name(spec, cp.step)
+                return self._write(rec, Next(cp, PAUSED, f"cannot prepare the {what} step: {exc}"))
+            blocked = self._cannot_start(rec, cp, req)
+            if blocked is not None:  # before its call is charged
+                return self._write(rec, blocked)
             request = request_id(rec.id, rec.run, cp)
             started = begin(cp, spec, request, now)
             try:
@@ -252,13 +263,12 @@ class TaskLoop:
             except CallRefused as exc:
                 return self._write(rec, refused(cp, spec, exc.who, exc.detail))
             cp = started
-            step_deadline = min(deadline - now, self._step_deadline(spec))
-            by_stop = stop.stop_cut(now, self.config.stop_at, self.config.grace, step_deadline)
-            step_deadline = step_deadline if by_stop is None else by_stop
-            req = self._request(rec, cp, step_deadline)
+            self._ran = False
             try:
                 outcome, cp = self._run_step(rec, cp, req, request)
             except (GitError, OSError, WorkspaceError) as exc:
+                if not self._ran:  # it never started: nothing was spent
+                    self._give_back(rec, cp.step, request)
                 return self._write(rec, Next(cp, PAUSED, f"workspace: {exc}"))
             if isinstance(req.on_line, agents.Reader):
                 outcome = replace(outcome, said=req.on_line.said())
@@ -269,8 +279,8 @@ class TaskLoop:
             if asked is not None and stop.ended_by_stop(outcome, asked):
                 return self._write(rec, stop.stop_asked(cp, spec, asked, outcome))
             nxt = judge(cp, spec, outcome, now=self.clock(), deadline=deadline, log=log_file)
-            if nxt.state == State.AGENT_FAILED:
-                self._uncharge(rec, request)
+            if nxt.state == State.AGENT_FAILED or not outcome.started:
+                self._give_back(rec, cp.step, request)
             state = self._write(rec, nxt)
             if state != RUNNING:
                 return state
@@ -312,12 +322,14 @@ class TaskLoop:
         it runs, committed after), a rule in a fresh checkout of the turn's commit with the
         protected paths put back, as overnight's own user, with a fixed environment."""
         if rec.spec.base is None:
+            self._ran = True
             return self.runner(req), cp
         space = self._space(rec)
         if cp.step == 0:
             req = replace(req, lease_id=new_lease_id())
             space.lock(req.lease_id or request)
             try:
+                self._ran = True
                 out = self.runner(req)
             finally:
                 space.unlock()
@@ -347,13 +359,33 @@ class TaskLoop:
                 env=verifier_env(req.env, forbidden),
                 as_step_user=False,
             )
+            self._ran = True
             out = self.runner(req)
         seen = CheckedTree(
             commit=checked.commit, snapshot=checked.snapshot, protected=checked.protected
         )
         return out, cp.model_copy(update={"checked": seen})
 
-    def _unstartable(self, spec: TaskSpec) -> str | None:
+    def _cannot_start(self, rec: TaskRecord, cp: Checkpoint, req: StepRequest) -> Next | None:
+        """The end (agent) or pause (verifier rule) of a task whose next step's command
+        cannot start, found before the step is charged; None if it can start."""
+        spec = rec.spec
+        if cp.step == 0:
+            if not os.path.isdir(req.cwd):
+                why = self._space(rec).missing_workdir() if spec.base is not None else None
+                return agent_failed(cp, spec.command(), why or f"workdir {req.cwd} is missing")
+            unstartable = self._unstartable(spec, req.cwd)
+            return None if unstartable is None else agent_failed(cp, spec.command(), unstartable)
+        rule = spec.verifier[cp.step - 1]
+        if "/" in rule.run[0]:
+            return None  # found in the turn's own tree; said after the run if it is not
+        path = verifier_env({}, [])["PATH"] if spec.base is not None else None
+        path = path or req.env.get("PATH") or os.environ.get("PATH") or stepenv.DEFAULT_PATH
+        if start_problem(rule.run, req.cwd, path) is None:
+            return None
+        return rule_cannot_start(cp, rule.name, rule.run[0], "was not found on PATH")
+
+    def _unstartable(self, spec: TaskSpec, cwd: str) -> str | None:
         if not spec.agent:
             return None
         path = spec.env.get("PATH") or os.environ.get("PATH") or stepenv.DEFAULT_PATH
@@ -367,20 +399,31 @@ class TaskLoop:
                     "and none is configured (set OVERNIGHT_MODEL_URL or "
                     "OVERNIGHT_ANTHROPIC_URL)"
                 )
-            if start_problem([preset.program], spec.workdir, path) is not None:
+            if start_problem([preset.program], cwd, path) is not None:
                 return (
                     f"the {preset.name} preset needs {preset.program!r} on PATH, which it "
                     f"is not (install: {preset.install})"
                 )
             return None
-        return start_problem(spec.agent, spec.workdir, path)
+        return start_problem(spec.agent, cwd, path)
 
-    def _uncharge(self, rec: TaskRecord, request: str) -> None:
-        """An agent that could not start used no call of the task's own."""
+    def _give_back(self, rec: TaskRecord, step: int, request: str) -> None:
+        """A step that never started (or an agent that could not start) spent nothing: its
+        call goes back to the task and to the shared envelope, so both agree with what ran."""
+        from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeRefused
+
         try:
             self.store.uncharge(rec.id, self.token, request)
         except (TaskRefused, redis.RedisError) as exc:
             log.warning("task %s: could not give back the call of %s: %s", rec.id, request, exc)
+        kind = "model" if step == 0 else "tool"
+        envelope = CallEnvelope(
+            self.store.client, rec.spec.envelope, self.store.keys.namespace, task_id=rec.id
+        )
+        try:
+            envelope.refund(kind, request)
+        except (EnvelopeRefused, redis.RedisError) as exc:
+            log.warning("task %s: envelope kept the call of %s: %s", rec.id, request, exc)
 
     def _log_path(self, rec: TaskRecord, cp: Checkpoint, name: str) -> Path | None:
         if self.config.log_dir is None:

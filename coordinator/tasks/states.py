@@ -27,7 +27,8 @@ class State(StrEnum):
 
 QUEUED, RUNNING, PAUSED = State.QUEUED, State.RUNNING, State.PAUSED
 
-# Ended for good: nothing changes the task again (a new submit of its id starts afresh).
+# Ended: nothing changes the task again but a person (`overnight rerun`, or a new submit of
+# its id, which starts afresh).
 TERMINAL: frozenset[State] = frozenset(
     {
         State.FINISHED_VERIFIED,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from overnight.coordinator.agents import Said
+from overnight.coordinator.tasks.judge import CANNOT_START
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.stepenv import make_home, remove_home, step_environment
@@ -78,6 +79,7 @@ class StepOutcome:
     limit: float = 0.0  # the step's own deadline, in seconds
     survivors: int = 0  # processes of the step's tree still alive after its lease ended
     said: Said | None = None  # an agent preset's CLI's own account of the step
+    started: bool = True  # False: the command never ran (not found, not executable)
 
     @property
     def passed(self) -> bool:
@@ -208,6 +210,9 @@ def supervised_runner(
         try:
             with alarm_ends_step(stop_signals) as alarm:
                 result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)
+            started = result.returncode is not None
+            if not started and result.exit_code in CANNOT_START:
+                capture(cannot_start_line(req.argv[0], result.exit_code).encode())
         finally:
             capture.close()
         doc = result.doc
@@ -220,9 +225,16 @@ def supervised_runner(
             digest=capture.digest(result.exit_code),
             limit=req.deadline,
             survivors=len(result.kill.survivors) if result.kill is not None else 0,
+            started=started,
         )
 
     return run
+
+
+def cannot_start_line(command: str, code: int) -> str:
+    """What a step's output says when its command never ran."""
+    why = "not found" if code == 127 else "not executable (or not permitted)"
+    return f"overnight: command {command!r} could not start: {why} (exit {code})"
 
 
 @contextlib.contextmanager
@@ -307,7 +319,8 @@ def _plain_run(
         capture(f"cannot start {req.argv[0]!r}: {exc.strerror or exc}".encode())
         code = 127 if isinstance(exc, FileNotFoundError) else 126
         tail, digest = capture.tail(), capture.digest(code)
-        return StepOutcome(code, "killed", f"worker-exit-{code}", None, tail, digest, limit)
+        note = f"worker-exit-{code}"
+        return StepOutcome(code, "killed", note, None, tail, digest, limit, started=False)
     for line in proc.stdout.splitlines():
         capture(line)
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode

@@ -7,7 +7,9 @@ file and the key, so ``overnight submit`` can refuse a whole batch at once.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +21,7 @@ from overnight.config.errors import OvernightError
 from overnight.coordinator import agents
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base
-from overnight.worker.sandbox.stepenv import declared_problem
+from overnight.worker.sandbox.stepenv import DEFAULT_PATH, declared_problem
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 ENVELOPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -289,9 +291,55 @@ def load(
             raise TaskFileError([f"{label}: id: {why}"])
     update = {"workdir": str(workdir), "workspace": got.base.mode, "base": got.base}
     loaded = spec.model_copy(update=update)
+    missing = command_problems(loaded, os.environ.get("PATH", ""))
+    if missing:
+        raise TaskFileError([f"{label}: {key}: {text}" for key, text in missing])
     if got.warning and warn is not None:
         warn(f"{label}: warning: {got.warning}")
+    preset = agents.get(loaded.agent) if isinstance(loaded.agent, str) else None
+    if preset is not None and warn is not None and shutil.which(preset.program) is None:
+        warn(
+            f"{label}: warning: agent: the {preset.name} preset needs {preset.program!r} on "
+            f"PATH, which it is not here (install: {preset.install}); a worker without it ends "
+            "the task agent_failed"
+        )
     return loaded
+
+
+def _lookup_path(path: str, cwd: str) -> str:
+    """``path`` with its relative entries made absolute from ``cwd``, as a step started
+    there resolves them."""
+    return os.pathsep.join(
+        e if os.path.isabs(e) else os.path.join(cwd, e) for e in path.split(os.pathsep) if e
+    )
+
+
+def command_problems(spec: TaskSpec, worker_path: str) -> list[tuple[str, str]]:
+    """The agent and rule commands of a loaded ``spec`` that cannot be found as its steps
+    will look them up (the agent on the task's PATH or ``worker_path``, from its workdir; a
+    rule on ``worker_path`` without relative entries), as (key, problem) pairs. A command in
+    the workdir must be in the commit a worktree checks out."""
+    out: list[tuple[str, str]] = []
+    base = spec.base
+    if isinstance(spec.agent, list):
+        cmd = spec.agent[0]
+        path = _lookup_path(spec.env.get("PATH") or worker_path or DEFAULT_PATH, spec.workdir)
+        if "/" not in cmd and shutil.which(cmd, path=path) is None:
+            out.append(("agent", f"command {cmd!r} not found on PATH ({path})"))
+        elif "/" in cmd and not os.path.isabs(cmd):
+            if base is not None and base.mode == workspace.WORKTREE and base.sha is not None:
+                rel = os.path.normpath(os.path.join(base.subdir, cmd)).replace(os.sep, "/")
+                absent = workspace.not_in_commit(base.root, base.sha, rel)
+                if absent is not None:
+                    out.append(("agent", absent))
+            elif not os.path.exists(os.path.join(spec.workdir, cmd)):
+                out.append(("agent", f"command {cmd!r} does not exist in {spec.workdir}"))
+    rule_path = workspace.clean_path(worker_path, []) or "/usr/bin:/bin"
+    for i, rule in enumerate(spec.verifier):
+        cmd = rule.run[0]
+        if "/" not in cmd and shutil.which(cmd, path=rule_path) is None:
+            out.append((f"verifier[{i}].run", f"rule {rule.name}: command {cmd!r} not found"))
+    return out
 
 
 def load_all(paths: list[Path], warn: Callable[[str], None] | None = None) -> list[TaskSpec]:

@@ -90,6 +90,14 @@ class TaskSpace:
                 _chown_tree(path, user)
         return os.path.join(self.tree.path, self.base.subdir)
 
+    def missing_workdir(self) -> str | None:
+        """Why the task's workdir is not in its worktree (None: it is, or there is none)."""
+        if not self.git:
+            return None
+        assert self.base is not None and self.base.sha is not None
+        absent = workspace.not_in_commit(self.base.root, self.base.sha, self.base.subdir)
+        return None if absent is None else f"workdir {absent}"
+
     def agent_env(self) -> dict[str, str]:
         """Variables for the agent step: git trusts the task's worktree, whose repository
         folder belongs to overnight, not to the step user (else every git command the agent

@@ -158,6 +158,19 @@ def commit_message(task_id: str, turn: int, outcome: str) -> str:
     return f"{subject}\n\nTask: {task_id}\nTurn: {turn}\nOutcome: {outcome}\n"
 
 
+def not_in_commit(root: str, sha: str, rel: str) -> str | None:
+    """Why ``rel`` (a path under the repository root) is missing from commit ``sha``, which a
+    task's worktree checks out (None: it is there)."""
+    if not rel or git_ok("cat-file", "-e", f"{sha}:{rel}", cwd=root):
+        return None
+    ignored = git_ok("check-ignore", "-q", rel, cwd=root)
+    why = "is ignored by git" if ignored else "is not committed (untracked)"
+    return (
+        f"{rel} {why}, so the task's worktree (a checkout of {sha[:12]}) does not have it: "
+        'commit it, or set workspace = "in-place"'
+    )
+
+
 def clean_path(path: str, forbidden: Iterable[str]) -> str:
     """The worker's PATH without relative entries and without any inside ``forbidden``
     folders (the task's tree): what a verifier run gets."""
@@ -567,6 +580,9 @@ def resolve(
                 None, (*problems, ("workspace", f"the repository {root} has no commit"))
             )
         files = tree_files(root, sha)
+        absent = not_in_commit(root, sha, subdir)
+        if absent is not None:
+            problems.append(("workdir", absent))
         if dirty(root):
             warning = (
                 f"{root} has uncommitted changes; they are not part of the task's base {sha[:12]}"

@@ -104,6 +104,7 @@ class CallEnvelope:
         self._commit = _register(redis_client, "commit")
         self._reset = _register(redis_client, "reset")
         self._status = _register(redis_client, "status")
+        self._refund = register(redis_client, "envelope_refund")
 
     @classmethod
     def from_settings(
@@ -235,6 +236,19 @@ class CallEnvelope:
         if not reply.allowed:
             raise ReservationLost(reservation)
         return reply.state
+
+    def refund(self, kind: str, request_id: str, *, units: int = 1) -> bool:
+        """Give back the ``units`` of ``kind`` consumed under ``request_id`` for a call that
+        was never made (an ``envelope_refunded`` receipt says so); True if they were. Once
+        per charge: a request id that holds no allowed answer gives nothing back."""
+        _check_kind(kind)
+        _check_units("units", units)
+        keys = self._keys_for(request_id)
+        args = [*self._context, kind, units, request_id]
+        try:
+            return bool(self._refund(keys=[keys[0], keys[2], keys[3]], args=args))
+        except redis.RedisError as exc:
+            raise EnvelopeUnavailable(kind, " ".join(str(exc).split())) from exc
 
     def release(self, reservation: Reservation) -> EnvelopeState:
         """Give a reservation back whole (the call was not made)."""

@@ -1,0 +1,257 @@
+"""Errors name their cause: a command or workdir that cannot be found is refused at submit
+(as the step will look it up), a verifier rule that cannot start pauses the task for a person
+instead of burning turns, and a step that never started is never charged: the task's
+calls_used, its receipts and the shared envelope agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from overnight.config.keys import Keys
+from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig, TaskLoop
+from overnight.coordinator.tasks.steps import plain_runner
+from overnight.coordinator.tasks.store import Runner, TaskStore
+from overnight.coordinator.tasks.taskfile import Rule, TaskFileError, TaskSpec, load
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.redisio import receipts
+from tests.repos import sh
+
+PY = sys.executable
+
+
+def spec(tmp_path: Path, agent: list[str], rule: list[str]) -> TaskSpec:
+    return TaskSpec(
+        assignment="make ok.txt",
+        workdir=str(tmp_path),
+        agent=agent,
+        max_calls=6,
+        verifier=[Rule(name="checks", run=rule)],
+    )
+
+
+def envelope(r: redis.Redis, namespace: str, n: int) -> tuple[CallEnvelope, Consume]:
+    env = CallEnvelope(r, "default", namespace)
+    env.reset(n)
+
+    def consume(name: str, kind: str, request_id: str) -> None:
+        try:
+            env.try_consume(kind, request_id=request_id)
+        except EnvelopeEmpty as exc:
+            raise CallRefused("envelope", str(exc)) from None
+
+    return env, consume
+
+
+def run(
+    r: redis.Redis,
+    namespace: str,
+    tmp_path: Path,
+    task: TaskSpec,
+    consume: Consume,
+    prompts: Path | None = None,
+) -> TaskStore:
+    store = TaskStore(r, Keys(namespace))
+    [rec] = store.create([task], queue="q")
+    loop(store, tmp_path, consume, rec.id, prompts)
+    return store
+
+
+def loop(
+    store: TaskStore, tmp_path: Path, consume: Consume, task_id: str, prompts: Path | None = None
+) -> None:
+    config = LoopConfig(
+        claim_ttl=5, prompt_dir=prompts or tmp_path / "prompts", log_dir=tmp_path / "logs"
+    )
+    rec = store.get(task_id)
+    assert rec is not None
+    TaskLoop(store, plain_runner, consume, config).run(rec.id, rec.attempt, Runner(worker="t"))
+
+
+def spent(env: CallEnvelope) -> tuple[int, int]:
+    snap = env.snapshot()
+    return snap.consumed_model, snap.consumed_tool
+
+
+def kinds(r: redis.Redis, namespace: str, task_id: str) -> list[str]:
+    return [rc.kind for rc in receipts.read(r, Keys(namespace), task_id=task_id)]
+
+
+# --- a verifier that cannot start -----------------------------------------------------------
+
+
+def test_a_rule_command_not_on_path_pauses_before_it_is_charged(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    env, consume = envelope(r, namespace, 10)
+    agent = ["sh", "-c", "touch ok.txt"]
+    store = run(r, namespace, tmp_path, spec(tmp_path, agent, ["no-such-checker"]), consume)
+    [rec] = store.all()
+    assert rec.state == "paused_for_reconciliation"
+    assert "rule checks: command 'no-such-checker' was not found on PATH" in rec.detail
+    assert "overnight reconcile --resume" in rec.detail
+    assert (rec.turns, rec.calls_used) == (1, 1)  # the agent ran; the rule was never charged
+    assert spent(env) == (1, 0)
+    assert "rule_cannot_start" in kinds(r, namespace, rec.id)
+
+
+def test_its_twin_with_the_command_installed_finishes(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    env, consume = envelope(r, namespace, 10)
+    agent = ["sh", "-c", "touch ok.txt"]
+    store = run(r, namespace, tmp_path, spec(tmp_path, agent, ["test", "-f", "ok.txt"]), consume)
+    [rec] = store.all()
+    assert (rec.state, rec.calls_used) == ("finished_verified", 2)
+    assert spent(env) == (1, 1)
+
+
+def test_a_rule_that_cannot_start_is_given_back_and_resumes_once_fixed(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    env, consume = envelope(r, namespace, 10)
+    agent = ["sh", "-c", "touch ok.txt"]
+    task = spec(tmp_path, agent, ["./checker.sh"])
+    store = run(r, namespace, tmp_path, task, consume)
+    [rec] = store.all()
+    assert rec.state == "paused_for_reconciliation", rec.detail
+    assert "rule checks: command './checker.sh' was not found (exit 127)" in rec.detail
+    assert rec.calls_used == 1 and spent(env) == (1, 0)  # the rule's unit came back
+    assert "envelope_refunded" in kinds(r, namespace, rec.id)
+    [step] = [s for s in rec.checkpoint.steps if s.name == "checks"]
+    assert "cannot start './checker.sh'" in step.tail
+    assert rec.checkpoint.step == 1  # the same rule runs again on resume
+
+    # A person installs the checker and resumes: the turn is judged, charged once.
+    checker = tmp_path / "checker.sh"
+    checker.write_text("#!/bin/sh\ntest -f ok.txt\n")
+    checker.chmod(0o755)
+    store.resume(rec, rec.checkpoint)
+    loop(store, tmp_path, consume, rec.id)
+    done = store.get(rec.id)
+    assert done is not None and done.state == "finished_verified", done and done.detail
+    assert done.calls_used == 2 and spent(env) == (1, 1)
+
+
+# --- an agent that cannot start costs nothing, in the task and in the envelope ---------------
+
+
+def test_an_agent_that_exits_127_gives_its_envelope_unit_back(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    env, consume = envelope(r, namespace, 10)
+    store = run(r, namespace, tmp_path, spec(tmp_path, ["sh", "-c", "exit 127"], ["true"]), consume)
+    [rec] = store.all()
+    assert (rec.state, rec.calls_used) == ("agent_failed", 0)
+    assert spent(env) == (0, 0) and env.snapshot().remaining == 10
+    refunds = [
+        rc
+        for rc in receipts.read(r, Keys(namespace), task_id=rec.id)
+        if rc.kind == "envelope_refunded"
+    ]
+    assert [rc.data["kind"] for rc in refunds] == ["model"]
+    # Once per charge: giving the same request back again gives nothing.
+    assert env.refund("model", str(refunds[0].data["request_id"])) is False
+
+
+def test_its_twin_that_exits_3_is_charged(r: redis.Redis, namespace: str, tmp_path: Path) -> None:
+    env, consume = envelope(r, namespace, 10)
+    store = run(r, namespace, tmp_path, spec(tmp_path, ["sh", "-c", "exit 3"], ["true"]), consume)
+    [rec] = store.all()
+    assert (rec.state, rec.calls_used) == ("finished_verified", 2)
+    assert spent(env) == (1, 1)
+
+
+def test_a_step_that_cannot_be_prepared_pauses_uncharged(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    env, consume = envelope(r, namespace, 10)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the prompt folders would go\n")
+    task = spec(tmp_path, ["sh", "-c", "touch ok.txt"], ["true"])
+    store = run(r, namespace, tmp_path, task, consume, prompts=blocked)
+    [rec] = store.all()
+    assert rec.state == "paused_for_reconciliation"
+    assert rec.detail.startswith("cannot prepare the agent step: ")
+    assert str(blocked) in rec.detail
+    assert (rec.calls_used, spent(env)) == (0, (0, 0))
+
+
+# --- at submit ------------------------------------------------------------------------------
+
+
+def task_file(folder: Path, agent: list[str], rule: list[str], workdir: str = "work") -> Path:
+    (folder / workdir).mkdir(parents=True, exist_ok=True)
+    path = folder / "task.json"
+    data = {
+        "id": "t1",
+        "assignment": "a",
+        "workdir": workdir,
+        "agent": agent,
+        "verifier": [{"name": "tests", "run": rule}],
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def problems(path: Path, state: Path) -> list[str]:
+    try:
+        load(path, state)
+    except TaskFileError as exc:
+        return exc.problems
+    return []
+
+
+def test_submit_names_a_command_it_cannot_find(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    folder = tmp_path / "in"
+    path = task_file(folder, ["my-agnet", "{prompt}"], ["no-such-checker"])
+    got = problems(path, state)
+    assert len(got) == 2, got
+    assert got[0].startswith(f"{path}: agent: command 'my-agnet' not found on PATH")
+    assert got[1] == f"{path}: verifier[0].run: rule tests: command 'no-such-checker' not found"
+    path = task_file(folder, ["./agent.sh"], ["true"])
+    assert problems(path, state) == [
+        f"{path}: agent: command './agent.sh' does not exist in {folder / 'work'}"
+    ]
+    # The twin: commands that exist load.
+    assert problems(task_file(folder, [PY, "-c", "pass"], ["true"]), state) == []
+
+
+def repo_with(folder: Path, ignore: str) -> Path:
+    folder.mkdir(parents=True)
+    sh(folder, "init", "-q", "-b", "main")
+    sh(folder, "config", "user.name", "T")
+    sh(folder, "config", "user.email", "t@example.invalid")
+    (folder / ".gitignore").write_text(ignore)
+    (folder / "README").write_text("x\n")
+    sh(folder, "add", "-A")
+    sh(folder, "commit", "-q", "-m", "base")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("ignore", "why"),
+    [("work/\n", "work is ignored by git"), ("", "work is not committed (untracked)")],
+)
+def test_submit_says_a_workdir_the_worktree_will_not_have(
+    tmp_path: Path, ignore: str, why: str
+) -> None:
+    repo = repo_with(tmp_path / "repo", ignore)
+    path = task_file(repo, [PY, "-c", "pass"], ["true"])
+    [line] = problems(path, tmp_path / "state")
+    assert line.startswith(f"{path}: workdir: {why}, so the task's worktree"), line
+    assert 'workspace = "in-place"' in line
+    # The twin: the same folder committed loads, in worktree mode.
+    (repo / ".gitignore").write_text("")
+    (repo / "work" / "keep").write_text("")
+    sh(repo, "add", "-A")
+    sh(repo, "commit", "-q", "-m", "work")
+    loaded = load(path, tmp_path / "state")
+    assert loaded.base is not None and loaded.base.mode == "worktree"
+    assert os.path.isdir(loaded.workdir)
