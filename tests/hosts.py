@@ -13,6 +13,7 @@ namespace and deletes them, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -258,6 +259,20 @@ class Cluster:
         host.procs.append(proc)
         host.model_url = f"http://127.0.0.1:{line.split()[1]}"
         return host.model_url
+
+    def upstream_requests(self, host: Host) -> list[str]:
+        """The path of every request the host's scripted upstream got (asked from inside the
+        host's namespace: its loopback is the host's own)."""
+        assert host.model_url is not None
+        code = (
+            "import json, sys, urllib.request\n"
+            "with urllib.request.urlopen(sys.argv[1] + '/_seen', timeout=10) as answer:\n"
+            "    print(json.dumps([s['path'] for s in json.load(answer)]))"
+        )
+        argv = ["ip", "netns", "exec", host.netns, sys.executable, "-c", code, host.model_url]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+        paths: list[str] = json.loads(done.stdout)
+        return paths
 
     def start_worker(self, host: Host, *, reaper: bool) -> subprocess.Popen[bytes]:
         """``overnight worker [--with-reaper]`` on ``host``, its output in a log file."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,8 +235,17 @@ def test_one_budget_of_calls_and_tokens_through_each_hosts_gateway(
     print(
         f"\nhosts figure: 3 hosts' gateways, envelope 30: consumed {consumed} (model "
         f"{env['consumed_model']}, tool {env['consumed_tool']}), tasks' calls_used "
-        f"{sum(used)}, tokens {env['consumed_tokens']} for {len(calls)} requests"
+        f"{sum(used)}, tokens {env.get('consumed_tokens', 0)} for {len(calls)} requests"
     )
+    # Model calls were made, on every host through its own gateway: each host's upstream
+    # (on that host's loopback, which only its own gateway reaches) answered as many
+    # requests as that host's model_call receipts say.
+    metered = Counter(json.loads(f["data"])["host"] for f in calls)
+    answered = {
+        h.host_id: sum(p.endswith("/chat/completions") for p in c.upstream_requests(h))
+        for h in c.hosts
+    }
+    assert answered == dict(metered) and all(answered.values()), (answered, metered)
     assert (consumed, sum(used), env["remaining"]) == (30, 30, 0)
     assert env["consumed_tokens"] == len(calls) * (11 + 7)  # the scripted upstream's usage
     assert len({r.host for r in runs(trace)}) >= 2  # the work was shared
