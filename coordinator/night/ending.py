@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overnight.config.exits import EXIT_NEEDS_PERSON, EXIT_OK, EXIT_UNFINISHED
-from overnight.coordinator.tasks.states import PAUSED, RUNNING, SETTLED, State
+from overnight.coordinator.tasks.states import PAUSED, RUNNING, SETTLED, TERMINAL, State
 
 if TYPE_CHECKING:
     import redis
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from overnight.config.settings import Settings
     from overnight.coordinator.night.stack import Stack
     from overnight.coordinator.tasks.record import TaskRecord
+    from overnight.coordinator.tasks.store import TaskStore
 
 log = logging.getLogger("overnight.up")
 REPORT_EVERY_SEC = 60.0
@@ -44,6 +45,20 @@ def night_exit(states: Iterable[State]) -> int:
 def plural(n: int, word: str) -> str:
     """``1 task``, ``2 tasks``: a count and its noun (nouns that take an s)."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def ended_known(store: TaskStore, ids: list[str]) -> list[str]:
+    """One line for each of ``ids`` that ended before this night: it is not run again unless
+    asked."""
+    out = []
+    for task_id in ids:
+        rec = store.get(task_id)
+        if rec is not None and rec.state in TERMINAL:
+            out.append(
+                f"task {task_id} ended before ({rec.state}); `overnight rerun {task_id}` "
+                "runs it again"
+            )
+    return out
 
 
 def no_budget(names: list[str]) -> str:

@@ -28,6 +28,7 @@ from overnight.config.keys import Keys
 from overnight.config.spawn import overnight_argv
 from overnight.coordinator.night.ending import (
     Night,
+    ended_known,
     night_exit,
     night_summary,
     no_budget,
@@ -322,6 +323,8 @@ def _run(
         ids = [rec.id for rec in submitted.records] + submitted.known
         for task_id in resume_queued(client, rq_conn, keys, submitted.known):
             print(f"overnight: task {task_id} resumes from its checkpoint", file=sys.stderr)
+        for line in ended_known(TaskStore(client, keys), submitted.known):
+            print(f"overnight: {line}", file=sys.stderr)
         print(
             f"overnight: {plural(len(submitted.records), 'task')} enqueued, "
             f"{len(submitted.known)} already known; {plural(opts.workers, 'worker')}; "
