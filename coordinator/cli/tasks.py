@@ -319,13 +319,6 @@ def reconcile_command(task_id: str, action: str | None) -> None:
     click.echo(_status_json(store, _record(store, task_id)))
 
 
-def _cancel_job(rec: TaskRecord) -> None:
-    from rq.exceptions import InvalidJobOperation, NoSuchJobError
-    from rq.job import Job, JobStatus
-
-    from overnight.config.context import rq_connection
-
-    try:
 @click.command("rerun")
 @click.argument("task_id")
 @click.option(
@@ -366,6 +359,13 @@ def rerun_command(task_id: str, budget: int | None, from_base: bool) -> None:
     click.echo(_status_json(store, _record(store, task_id)))
 
 
+def _cancel_job(rec: TaskRecord) -> None:
+    from rq.exceptions import InvalidJobOperation, NoSuchJobError
+    from rq.job import Job, JobStatus
+
+    from overnight.config.context import rq_connection
+
+    try:
         job = Job.fetch(rec.job_id(), connection=rq_connection())
         if job.get_status() == JobStatus.QUEUED:
             job.cancel()
