@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from overnight.config import defaults
 from overnight.config.keys import Keys
 from overnight.worker.lease import proof
+from overnight.worker.lease.doc import as_text
 from overnight.worker.lease.store import LeaseCorrupt, LeaseDoc, Leases
 from overnight.worker.reaper.listen import Listener
 from overnight.worker.reaper.rule import Decision, Facts, decide
@@ -139,7 +140,7 @@ def reap_once(
         raw = client.zrangebyscore(
             keys.lease_expiry, "-inf", int(now * 1000), start=offset, num=page
         )
-        ids = [_text(i) for i in raw]
+        ids = [as_text(i) for i in raw]
         if not ids:
             break
         left = _reap_batch(client, keys, leases, prune, ids, now, host, grace, hold, report)
@@ -395,7 +396,3 @@ def _parse(lease_id: str, raw: dict[Any, Any]) -> LeaseDoc | None:
 
 
 _unreadable: set[str] = set()
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
