@@ -21,6 +21,7 @@ from overnight.config.validate import ENV_PREFIX
 from overnight.coordinator.cli.main import cli as main
 from overnight.coordinator.tasks import taskfile
 from overnight.coordinator.tasks.taskfile import TaskSpec
+from overnight.worker.redisio.receipts import KINDS
 from tests.repos import make_repo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,6 +150,11 @@ def test_every_task_key_is_on_the_tasks_page() -> None:
     # `base` is set at submit from the workdir; a file that names it is refused.
     keys = [key for key in TaskSpec.model_fields if key != "base"]
     assert [k for k in keys if f"`{k}`" not in page and f"[[{k}]]" not in page] == []
+
+
+def test_every_receipt_kind_is_on_the_morning_page() -> None:
+    page = (DOCS / "morning.md").read_text(encoding="utf-8")
+    assert [kind for kind in KINDS if f"`{kind}`" not in page] == []
 
 
 def test_every_command_named_in_the_docs_exists() -> None:
