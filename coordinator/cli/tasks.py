@@ -167,12 +167,14 @@ def worker_command(
     from overnight.coordinator.dispatch.core import OvernightWorker
     from overnight.coordinator.dispatch.gateway_watch import GatewayWatch
     from overnight.coordinator.report.metrics import serve_from_settings as serve_metrics
+    from overnight.coordinator.workspace.hostdirs import prepare_host
     from overnight.worker.redisio.clients import STARTUP_WAIT, retry_transient, transient
     from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import configured
 
     user = configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
     sandboxed = launch.configured(user)  # likewise a sandbox asked for that cannot start
+    prepare_host(settings(), user)  # likewise a folder it cannot use, before any task
     click.echo(f"overnight worker: {describe(settings())}", err=True)
     if not sandboxed:
         click.echo(

@@ -232,6 +232,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     this run has ended or paused). Nothing it started outlives it."""
     from overnight.config.connection import connect
     from overnight.config.settings import load_settings
+    from overnight.coordinator.workspace.hostdirs import prepare_host
     from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import decide
 
@@ -241,6 +242,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     settings = load_settings()
     user = decide(settings.step_user, settings.allow_root_steps, os.geteuid())  # exit 78 if not
     launch.require(settings.sandbox, user)  # exit 78 if a sandbox is asked for and cannot start
+    prepare_host(settings, user)  # exit 78 naming a folder it cannot use, before any task
     lock = _lock_state_dir(opts.state_dir)
     # Orphans of what the stack starts are re-parented here, so the final sweep reaps them.
     set_child_subreaper()

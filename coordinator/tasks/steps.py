@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from overnight.config.folders import make_folders
 from overnight.coordinator.agents import Said
 from overnight.coordinator.tasks.judge import CANNOT_START
 from overnight.worker.gateway.grant import Grant
@@ -147,7 +148,7 @@ def open_capture(req: StepRequest) -> OutputCapture:
     fh = None
     if req.log_path is not None:
         try:
-            req.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_folders(req.log_path.parent, 0o700, above=0o711)
             fh = open(req.log_path, "ab")  # noqa: SIM115 - closed by OutputCapture.close
         except OSError:
             fh = None

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overnight.config.folders import make_folders
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base, protected_of
 
@@ -71,7 +72,7 @@ def take_snapshot(
         src = root / rel
         if src.is_symlink() or not src.is_file():
             continue
-        store.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_folders(store, 0o700, above=0o711)
         digest = sha256_file(src)
         dest = store / digest
         if not dest.exists():
@@ -90,7 +91,7 @@ def freeze(base: Base, into: Path) -> None:
     """Copy the tree as the agent step left it to ``into`` (replacing an older copy)."""
     if into.exists():
         remove_tree(into)
-    into.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_folders(into.parent, 0o700, above=0o711)
     shutil.copytree(base.root, into, symlinks=True)
 
 
@@ -120,7 +121,7 @@ def prepared(
     """A fresh tree for one verifier run under ``scratch`` (removed afterwards): a checkout
     of ``commit`` (worktree mode) or a copy of ``frozen`` (in-place), protected paths put
     back from the base."""
-    scratch.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_folders(scratch, 0o700, above=0o711)
     folder = Path(tempfile.mkdtemp(prefix="verify-", dir=scratch))
     tree = folder / "tree"
     try:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from overnight.config.errors import OvernightError
+from overnight.config.folders import make_folders
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
@@ -405,7 +406,7 @@ def open_worktree(root: str, base_sha: str, branch: str, path: Path) -> Worktree
     worker's host is gone (``submit`` refuses an id whose branch exists, so an existing
     branch that grew from the base is this task's). Raises :class:`GitError` otherwise."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)  # a step user walks through
+        make_folders(path.parent, 0o711)  # a step user walks through
         if not branch_exists(root, branch):
             git("worktree", "add", "-b", branch, str(path), base_sha, cwd=root)
         elif git_ok("merge-base", "--is-ancestor", base_sha, f"refs/heads/{branch}", cwd=root):
