@@ -7,6 +7,7 @@ setting fails here until docs/ names it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from collections.abc import Iterator
@@ -75,6 +76,7 @@ def commands(
             yield from commands(command, ctx)
 
 
+@functools.cache
 def every_command() -> list[tuple[list[str], click.Command, click.Context]]:
     return list(commands(main, click.Context(main, info_name="overnight")))
 
@@ -155,6 +157,33 @@ def test_every_task_key_is_on_the_tasks_page() -> None:
 def test_every_receipt_kind_is_on_the_morning_page() -> None:
     page = (DOCS / "morning.md").read_text(encoding="utf-8")
     assert [kind for kind in KINDS if f"`{kind}`" not in page] == []
+
+
+def unknown_options(code: str) -> list[str]:
+    """Options shown on `overnight …` command lines in ``code`` that the command lacks."""
+    commands_by_words = {tuple(words): command for words, command, _ in every_command()}
+    wrong = []
+    for line in code.splitlines():
+        for match in re.finditer(r"(?:^|[;&|(]\s*)overnight ([^;&|#`]*)", line):
+            tokens = match.group(1).split()
+            words: tuple[str, ...] = ()
+            while tokens and (*words, tokens[0]) in commands_by_words:
+                words, tokens = (*words, tokens[0]), tokens[1:]
+            if not words or "--" in tokens:  # what follows `--` is the supervised command's
+                tokens = tokens[: tokens.index("--")] if "--" in tokens else []
+            command = commands_by_words.get(words)
+            known = {o for p in command.params for o in p.opts} if command else set()
+            known |= {"--help", "-h"}
+            for token in tokens:
+                option = token.split("=")[0].rstrip(".,\\")
+                if option.startswith("--") and len(option) > 2 and option not in known:
+                    wrong.append(f"overnight {' '.join(words)} {option}")
+    return wrong
+
+
+def test_every_command_line_in_the_docs_has_real_options() -> None:
+    assert unknown_options(code_of(all_docs_text())) == []
+    assert unknown_options("overnight up --tasks . --budgte 3") == ["overnight up --budgte"]
 
 
 def test_every_command_named_in_the_docs_exists() -> None:
