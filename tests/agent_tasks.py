@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -27,7 +28,7 @@ from overnight.coordinator.agents import Launch
 from overnight.worker.envelope.envelope import CallEnvelope
 from overnight.worker.redisio.receipts import read
 from overnight.worker.sandbox.stepuser import StepUser
-from tests.helpers import run_burst, scripted_upstream, seen, worker_env
+from tests.helpers import run_burst, scripted_upstream, seen, wait_for, worker_env
 
 COMPLETIONS = ("/v1/responses", "/v1/chat/completions", "/v1/messages")
 FIX = "sed -i s/broken/fixed/ file.txt"
@@ -157,6 +158,35 @@ def run_direct(
     for line in done.stdout.splitlines():
         reader(line)
     return done
+
+
+# A provider address the trap's NO_PROXY does not list and nothing listens at: a CLI that
+# honours the proxy variables sends its request there through the trap; one that ignores
+# them is refused and the trap sees nothing.
+OFF_LIST = "http://127.0.0.2:9"
+
+
+def run_until_trapped(launch: Launch, work: Path, env: dict[str, str], trap: Trap) -> list[str]:
+    """Run the launch's CLI as :func:`run_direct` does until the trap got a connection or the
+    CLI ended (then end it); returns what the trap saw."""
+    proc = subprocess.Popen(
+        launch.argv,
+        cwd=work,
+        env={"PATH": PATH, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: trap.seen or proc.poll() is not None, timeout=40)
+        with contextlib.suppress(AssertionError):  # a connection made just before it ended
+            wait_for(lambda: trap.seen, timeout=2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    return list(trap.seen)
 
 
 def _inline(table: dict[str, str]) -> str:

@@ -19,6 +19,7 @@ from overnight.coordinator.agents import Context, Said
 from overnight.coordinator.agents import aider as preset
 from overnight.worker.sandbox.stepuser import StepUser
 from tests.agent_tasks import (
+    OFF_LIST,
     Bench,
     Scripted,
     Trap,
@@ -27,6 +28,7 @@ from tests.agent_tasks import (
     prompt_text,
     repo,
     run_direct,
+    run_until_trapped,
 )
 from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
@@ -153,6 +155,27 @@ def test_aider_posts_streamed_chat_to_its_provider_only(
     body = everything[0]["body"]
     assert body["stream"] is True and body["model"] == "scripted" and not body.get("tools")
     assert trap.seen == []
+
+
+@needs_aider
+@pytest.mark.slow
+def test_aider_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
+    """The control of the trap above: with its provider at an address NO_PROXY does not list,
+    aider's request goes through the trap."""
+    work = repo(tmp_path / "w")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("file.txt says broken; make it say fixed.\n")
+    launch = preset.launch(Context(prompt.read_text(), str(prompt), "scripted", str(work), 1))
+    env = {
+        "HOME": str(home(tmp_path, launch)),
+        **trap.env(),
+        **launch.env,
+        "OPENAI_BASE_URL": f"{OFF_LIST}/v1",
+        "OPENAI_API_BASE": f"{OFF_LIST}/v1",
+        "OPENAI_API_KEY": "tok-1",
+    }
+    seen_by_trap = run_until_trapped(launch, work, env, trap)
+    assert any(OFF_LIST.split("//")[1] in line for line in seen_by_trap), seen_by_trap
 
 
 @needs_aider

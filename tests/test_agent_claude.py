@@ -21,6 +21,7 @@ from overnight.coordinator.agents import claude as preset
 from overnight.worker.sandbox.stepuser import StepUser
 from tests.agent_tasks import (
     FIX,
+    OFF_LIST,
     PATH,
     Bench,
     Scripted,
@@ -30,6 +31,7 @@ from tests.agent_tasks import (
     prompt_text,
     repo,
     run_direct,
+    run_until_trapped,
 )
 from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
@@ -140,6 +142,26 @@ def test_claude_posts_streamed_messages_to_its_provider_only(
     assert trap.seen == []
     tools = {t.get("name"): t for t in everything[0]["body"]["tools"]}
     assert "command" in tools["Bash"]["input_schema"]["properties"]
+
+
+@needs_claude
+@pytest.mark.slow
+def test_claude_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
+    """The control of the trap above: with its provider at an address NO_PROXY does not list,
+    Claude Code's request goes through the trap."""
+    work = repo(tmp_path / "w")
+    launch = preset.launch(
+        Context("Fix file.txt", str(tmp_path / "p.txt"), "claude-scripted", str(work), 1)
+    )
+    env = {
+        "HOME": str(home(tmp_path, launch)),
+        **trap.env(),
+        **launch.env,
+        "ANTHROPIC_BASE_URL": OFF_LIST,
+        "ANTHROPIC_AUTH_TOKEN": "tok-1",
+    }
+    seen_by_trap = run_until_trapped(launch, work, env, trap)
+    assert any(OFF_LIST.split("//")[1] in line for line in seen_by_trap), seen_by_trap
 
 
 @needs_claude

@@ -17,6 +17,7 @@ from overnight.coordinator.agents import Context, Said
 from overnight.coordinator.agents import codex as preset
 from tests.agent_tasks import (
     FIX,
+    OFF_LIST,
     Bench,
     Scripted,
     Trap,
@@ -25,6 +26,7 @@ from tests.agent_tasks import (
     prompt_text,
     repo,
     run_direct,
+    run_until_trapped,
 )
 from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
@@ -128,6 +130,20 @@ def test_codex_posts_to_its_provider_only(scripted: Scripted, trap: Trap, tmp_pa
     # Its shell tool, as the scripted upstream shaped the call.
     tools = {t.get("name"): t for t in everything[0]["body"]["tools"]}
     assert "cmd" in tools["exec_command"]["parameters"]["properties"]
+
+
+@needs_codex
+@pytest.mark.slow
+def test_codex_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
+    """The control of the trap above: with its provider at an address NO_PROXY does not list,
+    Codex's request goes through the trap."""
+    work = repo(tmp_path / "w")
+    launch = preset.launch(
+        Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted", str(work), 1, OFF_LIST)
+    )
+    env = {"HOME": str(home(tmp_path, launch)), **trap.env(), "OPENAI_API_KEY": "tok-1"}
+    seen_by_trap = run_until_trapped(launch, work, env, trap)
+    assert any(OFF_LIST.split("//")[1] in line for line in seen_by_trap), seen_by_trap
 
 
 @needs_codex

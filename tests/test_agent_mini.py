@@ -19,6 +19,7 @@ from overnight.coordinator.agents import Context, Said
 from overnight.coordinator.agents import mini as preset
 from tests.agent_tasks import (
     FIX,
+    OFF_LIST,
     Bench,
     Scripted,
     Trap,
@@ -27,6 +28,7 @@ from tests.agent_tasks import (
     prompt_text,
     repo,
     run_direct,
+    run_until_trapped,
 )
 from tests.agent_tasks import bench as bench  # fixtures
 from tests.agent_tasks import scripted as scripted
@@ -234,6 +236,27 @@ def test_mini_posts_chat_completions_to_its_base_url_only(
         assert tool["function"]["parameters"]["properties"]["command"]["type"] == "string"
     assert "Fix file.txt" in prompt_text(everything[0])
     assert trap.seen == []
+
+
+@needs_mini
+@pytest.mark.slow
+def test_mini_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
+    """The control of the trap above: with its provider at an address NO_PROXY does not list,
+    mini's request goes through the trap."""
+    work = repo(tmp_path / "w")
+    launch = preset.launch(
+        Context("Fix file.txt", str(tmp_path / "p.txt"), "scripted", str(work), 1)
+    )
+    env = {
+        "HOME": str(home(tmp_path, launch)),
+        **trap.env(),
+        "OPENAI_BASE_URL": f"{OFF_LIST}/v1",
+        "OPENAI_API_BASE": f"{OFF_LIST}/v1",
+        "OPENAI_API_KEY": "tok-1",
+        **launch.env,
+    }
+    seen_by_trap = run_until_trapped(launch, work, env, trap)
+    assert any(OFF_LIST.split("//")[1] in line for line in seen_by_trap), seen_by_trap
 
 
 @needs_mini
