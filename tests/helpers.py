@@ -14,12 +14,14 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import pytest
+import redis
 
 T = TypeVar("T")
 
@@ -312,3 +314,43 @@ def plant_shadows(folder: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"raise RuntimeError('shadowed: {name} imported from {folder}')\n")
     return folder
+
+
+# --- a Redis at maxmemory -----------------------------------------------------------
+
+
+def fill_redis(client: redis.Redis) -> int:
+    """Write values (big, then small: Redis counts a command's own size against the limit)
+    until Redis refuses even a small write (OOM); returns how many were written."""
+    n, fill = 0, uuid.uuid4().hex[:8]  # new names each time: overwriting frees nothing
+    for size in (262_144, 4096, 64):
+        chunk = b"x" * size
+        while True:
+            try:
+                client.set(f"filler:{fill}:{n}", chunk)
+            except redis.exceptions.OutOfMemoryError:
+                break
+            n += 1
+            assert n < 100_000, "Redis never refused a write: maxmemory not in force"
+    return n
+
+
+def hold_full(client: redis.Redis, refusals: int, until: Callable[[], bool] = lambda: True) -> None:
+    """Fill Redis, keep it full until it refused ``refusals`` probes (about 50 ms apart) and
+    ``until()`` holds, then free it."""
+    fill_redis(client)
+    seen = {"n": 0}
+
+    def refused_enough() -> bool:
+        try:
+            client.set("probe", b"x")
+        except redis.exceptions.OutOfMemoryError:
+            seen["n"] += 1
+        else:  # something freed memory meanwhile (a key expired): fill again
+            client.delete("probe")
+            fill_redis(client)
+        return seen["n"] >= refusals and until()
+
+    wait_for(refused_enough, timeout=60, interval=0.05)
+    for key in client.scan_iter("filler:*", count=1000):
+        client.delete(key)

@@ -20,7 +20,7 @@ import redis
 
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from overnight.worker.redisio.clients import not_run, transient
-from tests.helpers import OVERNIGHT, task_file, wait_for
+from tests.helpers import OVERNIGHT, hold_full, task_file, wait_for
 
 PY = sys.executable
 # One step that takes a moment, so the fill lands while tasks run and wait.
@@ -76,45 +76,6 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
                 proc.wait(5)
 
 
-def _fill(client: redis.Redis) -> int:
-    """Write values (big, then small: Redis counts a command's own size against the limit)
-    until Redis refuses even a small write (OOM); returns how many were written."""
-    n, fill = 0, uuid.uuid4().hex[:8]  # new names each time: overwriting frees nothing
-    for size in (262_144, 4096, 64):
-        chunk = b"x" * size
-        while True:
-            try:
-                client.set(f"filler:{fill}:{n}", chunk)
-            except redis.exceptions.OutOfMemoryError:
-                break
-            n += 1
-            assert n < 100_000, "Redis never refused a write: maxmemory not in force"
-    return n
-
-
-def _hold_full(
-    client: redis.Redis, refusals: int, until: Callable[[], bool] = lambda: True
-) -> None:
-    """Fill Redis, keep it full until it refused ``refusals`` probes (about 50 ms apart) and
-    ``until()`` holds, then free it."""
-    _fill(client)
-    seen = {"n": 0}
-
-    def refused_enough() -> bool:
-        try:
-            client.set("probe", b"x")
-        except redis.exceptions.OutOfMemoryError:
-            seen["n"] += 1
-        else:  # something freed memory meanwhile (a key expired): fill again
-            client.delete("probe")
-            _fill(client)
-        return seen["n"] >= refusals and until()
-
-    wait_for(refused_enough, timeout=60, interval=0.05)
-    for key in client.scan_iter("filler:*", count=1000):
-        client.delete(key)
-
-
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
@@ -159,7 +120,7 @@ def test_worker_and_reaper_ride_out_a_full_redis(
             for name in ("worker", "reaper")
         )
 
-    _hold_full(client, refusals=40, until=both_refused)
+    hold_full(client, refusals=40, until=both_refused)
     assert all(p.poll() is None for p in procs), "a process died while Redis was full"
     # 2. Full while tasks run and wait in the queue.
     ids = [f"full-{i}" for i in range(6)]
@@ -169,7 +130,7 @@ def test_worker_and_reaper_ride_out_a_full_redis(
     ]
     proc = _cli(tenv, "submit", *map(str, files))
     assert proc.returncode == 0, proc.stderr
-    _hold_full(client, refusals=40)
+    hold_full(client, refusals=40)
     assert all(p.poll() is None for p in procs), "a process died while Redis was full"
 
     def states() -> list[str]:
