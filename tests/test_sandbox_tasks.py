@@ -1,0 +1,56 @@
+"""Tasks whose steps run sandboxed (OVERNIGHT_SANDBOX=bwrap) under `overnight worker`: the
+built-in model step runs there, an agent reaches this host's gateway through the bridge (each
+request metered), and its verifier rule runs sandboxed too (bwrap's host name proves where)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from overnight.worker.envelope.envelope import CallEnvelope
+from overnight.worker.sandbox import launch
+from tests.helpers import capability, run_burst, task_file, worker_env
+from tests.helpers import upstream as upstream  # a fixture
+from tests.test_gateway_tasks import AGENT
+
+needs_bwrap = capability(None if launch.find_bwrap() else "bubblewrap is not installed")
+pytestmark = [needs_bwrap]
+INSIDE = "overnight-sandbox"  # bwrap's --hostname
+
+
+@pytest.fixture
+def tenv(env: dict[str, str], upstream: str) -> dict[str, str]:
+    return worker_env(env, OVERNIGHT_MODEL_URL=upstream, OVERNIGHT_SANDBOX="bwrap")
+
+
+@pytest.mark.parametrize("sandbox", ["bwrap", "off"])
+def test_the_model_step_runs_sandboxed(
+    tenv: dict[str, str], tmp_path: Path, r: redis.Redis, namespace: str, sandbox: str
+) -> None:
+    CallEnvelope(r, "default", namespace).reset(10)
+    path = task_file(tmp_path, "model", None, [["test", "-f", "out/answer.md"]])
+    done = run_burst({**tenv, "OVERNIGHT_SANDBOX": sandbox}, path, "model")
+    assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-4000:]
+
+
+def test_an_agent_reaches_the_gateway_through_the_bridge(
+    tenv: dict[str, str], tmp_path: Path, r: redis.Redis, namespace: str
+) -> None:
+    envelope = CallEnvelope(r, "default", namespace)
+    envelope.reset(100)
+    (tmp_path / "three").mkdir()
+    (tmp_path / "three" / "agent.py").write_text(
+        AGENT.replace('open("ok.txt", "w").write("ok")', 'open("ok.txt", "w").write(os.uname()[1])')
+    )
+    agent = [sys.executable, "agent.py", "3", "0"]
+    rule = ["sh", "-c", f'grep -qx {INSIDE} ok.txt && test "$(hostname)" = {INSIDE}']
+    path = task_file(tmp_path, "three", agent, [rule], workspace="in-place")
+    done = run_burst(tenv, path, "three")
+    assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-4000:]
+    assert (tmp_path / "three" / "ok.txt").read_text() == INSIDE
+    assert done["calls_used"] == 3 + 1  # three model requests through the bridge, one rule
+    assert envelope.snapshot().consumed_model == 3
