@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from overnight.worker.lease.doc import LeaseDoc
 
 MAX_BYTES = 64 * 1024
 MAX_NOTE = 1024  # as the beat channel's
@@ -126,3 +130,20 @@ class LeaseFileWatch:
         found = asked(self.seen, doc)
         self.seen = doc
         return found
+
+
+def mirror(path: str | None, doc: LeaseDoc, watch: LeaseFileWatch | None, *, host: str) -> None:
+    """Write ``doc`` to the lease file at ``path`` (nothing without one) and tell ``watch``
+    what was written, so the supervisor's own write is not read back as the child's beat; a
+    file that cannot be written is logged, never fatal."""
+    if not path:
+        return
+    public = doc.public()
+    try:
+        write(path, public)
+        if watch is not None:
+            watch.wrote(public)
+    except OSError as exc:
+        logging.getLogger("overnight.supervisor").warning(
+            "lease=%s host=%s: cannot write %s: %s", doc.lease_id, host, path, exc
+        )

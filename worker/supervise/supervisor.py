@@ -5,13 +5,7 @@ the beat channel's socket, the signal wakeup pipe, and a timer for the next mome
 lease could lapse, a beat is due or a Redis retry is due. Nothing here polls by sleeping.
 Usable in-process (an RQ work horse) as well as from ``overnight supervise``; signal
 handlers only when asked.
-
-The parts: :mod:`worker.supervise.child` (the child and its tree),
-:mod:`worker.supervise.output` (its pipes),
-:mod:`worker.supervise.keeper` (the lease), :mod:`worker.supervise.outcome` (how a step ends),
-:mod:`worker.supervise.signals` and :mod:`worker.redisio.clients`; the child's environment is
-:mod:`worker.sandbox.stepenv`'s allowlist (no credential) and it beats through
-:mod:`worker.beat.channel`, never Redis.
+The parts are the package's other modules (see its docstring).
 """
 
 from __future__ import annotations
@@ -23,17 +17,14 @@ import os
 import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from overnight.config import defaults
 from overnight.config.keys import Keys
-from overnight.worker.beat.channel import SOCKET_VAR, Beat, Channel
+from overnight.worker.beat.channel import Beat, Channel
 from overnight.worker.gateway import grant as gateway_grant
-from overnight.worker.gateway.grant import Grant
 from overnight.worker.lease import file as leasefile
 from overnight.worker.lease import proof
-from overnight.worker.lease.store import LeaseDoc, LeaseRefused, Leases
+from overnight.worker.lease.store import LeaseRefused, Leases
 from overnight.worker.redisio.clients import (
     client_for_url,
     io_timeout,
@@ -47,85 +38,14 @@ from overnight.worker.supervise.child import Child, subreaper
 from overnight.worker.supervise.keeper import Keeper
 from overnight.worker.supervise.outcome import Outcome
 from overnight.worker.supervise.signals import FORWARDED, SignalCatcher
+from overnight.worker.supervise.spec import StepSpec, SupervisedResult, prepare_sandbox
 
 if TYPE_CHECKING:
     import redis
 
-    from overnight.worker.sandbox.bwrap import Network
-    from overnight.worker.sandbox.launch import Prepared
     from overnight.worker.sandbox.relay import Relay
-    from overnight.worker.sandbox.stepuser import StepUser
 
 log = logging.getLogger("overnight.supervisor")
-
-
-@dataclass
-class StepSpec:
-    """One command to run under one lease.
-
-    ``deadline`` is the lease budget, ``gap`` the longest silence allowed, ``grace`` the
-    time between SIGTERM and SIGKILL, all in seconds. ``env`` is what the step adds to the
-    allowlisted environment (:func:`worker.sandbox.stepenv.step_environment`: the task's declared
-    variables, overnight's step variables; never a credential). ``stdin_data``, if given, is
-    the child's whole stdin (a pre-filled pipe; else /dev/null): how overnight's own model
-    step gets its settings without the environment. ``install_signals`` makes
-    SIGTERM/SIGINT/SIGHUP to this process end the step (main thread only; the CLI uses it,
-    an RQ horse does not). ``user`` is who the step runs as (None: this process's user;
-    the commands decide it by :func:`worker.sandbox.stepuser.configured`); its scratch HOME is its
-    own and ``cwd`` must be a folder it can write, else the step does not start.
-    ``contain`` puts the step in a per-lease cgroup where this host and user allow it.
-    """
-
-    argv: list[str]
-    deadline: float = defaults.DEADLINE
-    gap: float = defaults.HEARTBEAT_GAP
-    grace: float = defaults.GRACE
-    lease_id: str | None = None
-    cwd: str | None = None
-    env: dict[str, str] | None = None
-    output_beats: bool = True
-    beat_while_alive: bool = False
-    lease_file: str | None = None
-    task_id: str | None = None
-    install_signals: bool = False
-    stdin_data: bytes | None = None
-    note: str = "boot"
-    user: StepUser | None = None
-    contain: bool = True
-    # What the step may spend through the gateway; None: it gets no gateway token.
-    grant: Grant | None = None
-    # Written into the step's scratch HOME before it starts (an agent preset's config files).
-    home_files: dict[str, str] | None = None
-    # In a bubblewrap sandbox of its own (worker.sandbox.launch): the worktree (default:
-    # cwd) read-write, ``readable``/``writable`` paths bound in, its network only the gateway
-    # (reached through ``gateway_socket``, else a per-step relay to the grant's base_url).
-    sandbox: bool = False
-    worktree: str | None = None
-    readable: tuple[str, ...] = ()
-    writable: tuple[str, ...] = ()
-    network: Network = "none"
-    gateway_socket: str | None = None
-
-
-@dataclass
-class SupervisedResult:
-    """How a step ended.
-
-    ``exit_code`` is the contract's ``supervise`` exit; ``doc`` the final lease document
-    (as Redis holds it, or as the supervisor last knew it if Redis was lost); ``reason`` the
-    note the supervisor ended the lease with; ``returncode`` the child's own status (negative
-    for a signal, None if it never ran); ``ended_here`` is False when another writer (the
-    reaper) ended the lease first.
-    """
-
-    exit_code: int
-    doc: LeaseDoc
-    reason: str
-    returncode: int | None = None
-    lease_lost: bool = False
-    ended_here: bool = True
-    seconds: float = 0.0
-    kill: tree.KillReport | None = None
 
 
 def run_supervised(
@@ -208,7 +128,7 @@ class _Run:
             host=self.host,
             now=started,
         )
-        self._mirror(doc)
+        leasefile.mirror(self.spec.lease_file, doc, self.watch, host=self.host)
         log.info("lease=%s host=%s task=%s: acquired", self.lease_id, self.host, spec.task_id)
         with subreaper():
             try:
@@ -247,7 +167,7 @@ class _Run:
             )
             argv, user, ready = spec.argv, spec.user, None
             if spec.sandbox:
-                ready = self._sandboxed(env)
+                ready, self.relay = prepare_sandbox(self.spec, env, self.lease_id)
                 argv, env, user = ready.argv, ready.env, None  # setpriv takes the uid
             try:
                 self.child = Child(
@@ -278,7 +198,7 @@ class _Run:
             self.group.path if self.group else None,
         )
         self.keeper.attach(self.child.pid, self.child.ticks)
-        self._mirror(self.keeper.doc)
+        leasefile.mirror(self.spec.lease_file, self.keeper.doc, self.watch, host=self.host)
         if spec.lease_file:  # the child may beat by rewriting it (worker.lease.file)
             every, seen = self.keeper.min_interval, self.keeper.doc.public()
             self.watch = leasefile.LeaseFileWatch(spec.lease_file, every, seen, time.monotonic())
@@ -351,34 +271,6 @@ class _Run:
                 self.note = note
         self.note_at = time.monotonic() + self.keeper.min_interval
 
-    def _sandboxed(self, env: dict[str, str]) -> Prepared:
-        from overnight.worker.sandbox import launch, relay
-
-        spec = self.spec
-        cwd = spec.cwd or os.getcwd()
-        socket, port = None, None
-        if spec.grant is not None and spec.network != "host":
-            port = relay.url_port(spec.grant.base_url)
-            socket = spec.gateway_socket
-            if socket is None:
-                self.relay = relay.Relay(self.lease_id, "127.0.0.1", port)
-                socket = self.relay.path
-        beat = env.get(SOCKET_VAR)
-        return launch.prepare(
-            spec.argv,
-            cwd=cwd,
-            worktree=spec.worktree or cwd,
-            user=spec.user,
-            env=env,
-            home_files=spec.home_files,
-            readable=spec.readable,
-            writable=spec.writable,
-            sockets=(beat,) if beat else (),
-            network=spec.network,
-            gateway_socket=socket,
-            gateway_port=port,
-        )
-
     def _gateway_env(self) -> dict[str, str] | None:
         # A per-lease token, revoked with the step; the keeper watches what the gateway saw.
         grant = self.spec.grant
@@ -429,37 +321,15 @@ class _Run:
             self.lease_id, self.spec.grace, ended.first_signal, self.signals
         )
         if report.survivors:
-            self._report_survivors(report)
-        return report
-
-    def _report_survivors(self, report: tree.KillReport) -> None:
-        # Loudly, and on the record: the morning-after view must show a tree that did not die.
-        log.error(
-            "lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
-            self.lease_id,
-            self.host,
-            self.spec.task_id,
-            len(report.survivors),
-            sorted(report.survivors),
-        )
-        from overnight.worker.redisio import (
-            receipts,  # pydantic: not on the fast path of every step
-        )
-
-        try:
-            receipts.emit(
+            tree.record_survivors(
                 self.client,
                 self.keys,
-                receipts.SURVIVORS,
+                report,
                 lease_id=self.lease_id,
+                host=self.host,
                 task_id=self.spec.task_id,
-                pids=sorted(report.survivors),
-                via="cgroup" if report.via_cgroup else "proc",
             )
-        except redis_errors() as exc:
-            log.error(
-                "lease=%s host=%s: cannot record the survivors: %s", self.lease_id, self.host, exc
-            )
+        return report
 
     def _finish(self, ended: Outcome, started: float) -> SupervisedResult:
         child = self.child
@@ -475,7 +345,7 @@ class _Run:
             child.pipes.drain(0.5)
             child.close()
         ended_here, ended, doc = self.keeper.end(ended)
-        self._mirror(doc)
+        leasefile.mirror(self.spec.lease_file, doc, self.watch, host=self.host)
         self._close_step_env()  # after the end is written: a big scratch HOME takes a while
         log.info(
             "lease=%s host=%s task=%s: ended %s/%s, exit %d",
@@ -513,20 +383,6 @@ class _Run:
                 self.child.close()
             self.leases.end(self.lease_id, self.keeper.token, "killed", ended.note, exit_code=1)
 
-    def _mirror(self, doc: LeaseDoc) -> None:
-        path = self.spec.lease_file
-        if not path:
-            return
-        public = doc.public()
-        try:
-            leasefile.write(path, public)
-            if self.watch is not None:
-                self.watch.wrote(public)
-        except OSError as exc:
-            log.warning(
-                "lease=%s host=%s: cannot write %s: %s", self.lease_id, self.host, path, exc
-            )
-
 
 __all__ = [
     "FORWARDED",
@@ -535,6 +391,7 @@ __all__ = [
     "SupervisedResult",
     "client_for_url",
     "io_timeout",
+    "prepare_sandbox",
     "run_supervised",
     "url_of",
 ]

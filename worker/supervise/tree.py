@@ -17,7 +17,9 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from overnight.worker.redisio.clients import redis_errors
 from overnight.worker.supervise.procs import (
     TAG_VAR,
     Proc,
@@ -29,6 +31,11 @@ from overnight.worker.supervise.procs import (
     scan,
     set_child_subreaper,
 )
+
+if TYPE_CHECKING:
+    import redis
+
+    from overnight.config.keys import Keys
 
 log = logging.getLogger("overnight.tree")
 FREEZE_MAX = 1.0
@@ -254,3 +261,40 @@ def _freeze_and_kill(tree: Tree, sig: Signaller, report: KillReport, timeout: fl
                 log.error("pids %s survived SIGKILL for %.1fs", sorted(left), timeout)
             return
         sig.wait_any(alive, 0.01, ())
+
+
+def record_survivors(
+    client: redis.Redis,
+    keys: Keys,
+    report: KillReport,
+    *,
+    lease_id: str,
+    host: str,
+    task_id: str | None,
+) -> None:
+    """Log and record (a ``survivors`` receipt) the processes that outlived a lease's end."""
+    # Loudly, and on the record: the morning-after view must show a tree that did not die.
+    log.error(
+        "lease=%s host=%s task=%s: %d process(es) SURVIVED the end of the lease: %s",
+        lease_id,
+        host,
+        task_id,
+        len(report.survivors),
+        sorted(report.survivors),
+    )
+    from overnight.worker.redisio import (
+        receipts,  # pydantic: not on the fast path of every step
+    )
+
+    try:
+        receipts.emit(
+            client,
+            keys,
+            receipts.SURVIVORS,
+            lease_id=lease_id,
+            task_id=task_id,
+            pids=sorted(report.survivors),
+            via="cgroup" if report.via_cgroup else "proc",
+        )
+    except redis_errors() as exc:
+        log.error("lease=%s host=%s: cannot record the survivors: %s", lease_id, host, exc)
