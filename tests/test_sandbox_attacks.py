@@ -104,7 +104,7 @@ def test_no_other_worktree_state_folder_or_run_overnight(
         probe.unlink()
 
 
-def test_no_other_steps_environment(env: dict[str, str], who: str, place: Path) -> None:
+def test_no_other_steps_environment_or_signals(env: dict[str, str], who: str, place: Path) -> None:
     marker = f"TOKEN-{uuid.uuid4().hex}"
     step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
     if who == "step-user":
@@ -127,9 +127,12 @@ def test_no_other_steps_environment(env: dict[str, str], who: str, place: Path) 
                         return int(pid)
             return None
 
-        wait_for(holder, timeout=20)
+        target = wait_for(holder, timeout=20)
         scan = (
             "import os\n"
+            "try:\n"
+            f"    os.kill({target}, 0); print('SIGNALLED')\n"
+            "except OSError as e: print('NO-SIGNAL', e)\n"
             "for p in filter(str.isdigit, os.listdir('/proc')):\n"
             "    try:\n"
             f"        if b'{marker}' in open(f'/proc/{{p}}/environ','rb').read(): print('FOUND')\n"
@@ -138,9 +141,10 @@ def test_no_other_steps_environment(env: dict[str, str], who: str, place: Path) 
         )
         code, out = run(env, who, "bwrap", place / "wt", PY3, "-c", scan)
         assert code == 0 and "scanned" in out, out
-        assert "FOUND" not in out
+        assert "FOUND" not in out and "NO-SIGNAL" in out
         code, out = run(env, who, "off", place / "wt", PY3, "-c", scan)
         assert "FOUND" in out, out  # the other step was there, its environment readable
+        assert "SIGNALLED" in out  # and it could be signalled
     finally:
         first.terminate()
         first.wait(timeout=30)
@@ -149,7 +153,7 @@ def test_no_other_steps_environment(env: dict[str, str], who: str, place: Path) 
 def test_no_host_loopback_redis(
     env: dict[str, str], who: str, place: Path, redis_factory: Callable[..., EmbeddedRedis]
 ) -> None:
-    server = redis_factory()  # no password: what many hosts have on 127.0.0.1
+    server = redis_factory(password=None)  # what many hosts have on 127.0.0.1
     ping = (
         "import socket\n"
         "try:\n"
