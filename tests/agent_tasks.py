@@ -168,24 +168,28 @@ OFF_LIST = "http://127.0.0.2:9"
 
 def run_until_trapped(launch: Launch, work: Path, env: dict[str, str], trap: Trap) -> list[str]:
     """Run the launch's CLI as :func:`run_direct` does until the trap got a connection or the
-    CLI ended (then end it); returns what the trap saw."""
-    proc = subprocess.Popen(
-        launch.argv,
-        cwd=work,
-        env={"PATH": PATH, **env},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    CLI ended (then end it); returns what the trap saw. Fails, with the CLI's output, if it
+    sent the trap nothing."""
+    log = work.parent / "cli.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            launch.argv,
+            cwd=work,
+            env={"PATH": PATH, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     try:
-        wait_for(lambda: trap.seen or proc.poll() is not None, timeout=40)
-        with contextlib.suppress(AssertionError):  # a connection made just before it ended
-            wait_for(lambda: trap.seen, timeout=2)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: trap.seen or proc.poll() is not None, timeout=120)
+            wait_for(lambda: trap.seen, timeout=2)  # a connection made just before it ended
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+    assert trap.seen, log.read_text(errors="replace")[-3000:]
     return list(trap.seen)
 
 

@@ -159,6 +159,7 @@ def test_aider_posts_streamed_chat_to_its_provider_only(
 
 @needs_aider
 @pytest.mark.slow
+@pytest.mark.timeout(150)  # a CLI's start-up on a loaded machine
 def test_aider_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
     """The control of the trap above: with its provider at an address NO_PROXY does not list,
     aider's request goes through the trap."""

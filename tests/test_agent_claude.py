@@ -146,6 +146,7 @@ def test_claude_posts_streamed_messages_to_its_provider_only(
 
 @needs_claude
 @pytest.mark.slow
+@pytest.mark.timeout(150)  # a CLI's start-up on a loaded machine
 def test_claude_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
     """The control of the trap above: with its provider at an address NO_PROXY does not list,
     Claude Code's request goes through the trap."""

@@ -134,6 +134,7 @@ def test_codex_posts_to_its_provider_only(scripted: Scripted, trap: Trap, tmp_pa
 
 @needs_codex
 @pytest.mark.slow
+@pytest.mark.timeout(150)  # a CLI's start-up on a loaded machine
 def test_codex_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
     """The control of the trap above: with its provider at an address NO_PROXY does not list,
     Codex's request goes through the trap."""

@@ -240,6 +240,7 @@ def test_mini_posts_chat_completions_to_its_base_url_only(
 
 @needs_mini
 @pytest.mark.slow
+@pytest.mark.timeout(150)  # a CLI's start-up on a loaded machine
 def test_mini_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
     """The control of the trap above: with its provider at an address NO_PROXY does not list,
     mini's request goes through the trap."""
