@@ -242,6 +242,14 @@ def test_the_readme_task_file_validates(tmp_path: Path) -> None:
     assert (spec.id, spec.agent, spec.workspace) == ("fix-parser", "codex", "worktree")
 
 
+def test_readme_links_resolve() -> None:
+    """mkdocs --strict checks the pages' links; README's own are checked here."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text(encoding="utf-8"))
+    local = [link for link in links if "://" not in link]
+    assert local, "README links to the docs"
+    assert [link for link in local if not (ROOT / link).exists()] == []
+
+
 def test_readme_is_a_door() -> None:
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES
