@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
-from tests.helpers import OVERNIGHT, kill_quietly, task_file, wait_for
+from tests import reachable
+from tests.helpers import kill_quietly, task_file, wait_for
 
 PY = sys.executable
 # The agent's interpreter: one ``nobody`` can exec directly (root's may live under /root).
@@ -153,7 +154,11 @@ def shim_path(base: Path) -> str:
     system Python, whose older 3.11 makes redis-py import ``async_timeout``; the stdlib's
     ``asyncio.timeout`` stands in for it (nothing here runs asyncio)."""
     probe = subprocess.run(
-        as_nobody([PY, "-c", "import redis"]), capture_output=True, cwd="/", timeout=30, check=False
+        as_nobody([reachable.python(), "-c", "import redis"]),
+        capture_output=True,
+        cwd="/",
+        timeout=30,
+        check=False,
     )
     if probe.returncode == 0:
         return ""
@@ -207,7 +212,7 @@ def test_a_step_reads_nothing_of_the_control_plane(
 
     def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            as_nobody([OVERNIGHT, *args]),
+            as_nobody([reachable.overnight(), *args]),
             env=env,
             capture_output=True,
             text=True,
@@ -219,9 +224,11 @@ def test_a_step_reads_nothing_of_the_control_plane(
     submitted = cli("submit", *map(str, files))
     assert submitted.returncode == 0, submitted.stderr
     # A same-uid process that is dumpable and holds both secrets: the attack must find them.
-    decoy = subprocess.Popen(as_nobody([PY, "-c", DECOY, str(base / "decoy.pid")]), env=env)
+    decoy = subprocess.Popen(
+        as_nobody([reachable.python(), "-c", DECOY, str(base / "decoy.pid")]), env=env
+    )
     reaper = subprocess.Popen(
-        as_nobody([OVERNIGHT, "reaper", "--interval", "0.5"]),
+        as_nobody([reachable.overnight(), "reaper", "--interval", "0.5"]),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -229,7 +236,7 @@ def test_a_step_reads_nothing_of_the_control_plane(
     try:
         decoy_pid = int(wait_for(lambda: _text(base / "decoy.pid"), timeout=20))
         worker = subprocess.Popen(
-            as_nobody([OVERNIGHT, "worker", "--burst"]),
+            as_nobody([reachable.overnight(), "worker", "--burst"]),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -29,6 +29,7 @@ from overnight.config.keys import Keys
 from overnight.worker.sandbox import cgroup
 from overnight.worker.sandbox.stepuser import StepUser, lookup
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
+from tests import reachable
 from tests.helpers import OVERNIGHT, capability, final_doc, wait_for
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
@@ -271,7 +272,7 @@ def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict
         plain = {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"}
         as_nobody = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
         probe = subprocess.run(
-            [*as_nobody, sys.executable, "-c", "import redis"],
+            [*as_nobody, reachable.python(), "-c", "import redis"],
             cwd="/",
             capture_output=True,
             timeout=30,
@@ -285,7 +286,7 @@ def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict
             plain["PYTHONPATH"] = str(stage / "shim")
         args = ["--gap", "6", "--grace", "0.5", "--"]
         proc = subprocess.run(
-            [*as_nobody, OVERNIGHT, "supervise", *args, *argv(stage, mode, mark)],
+            [*as_nobody, reachable.overnight(), "supervise", *args, *argv(stage, mode, mark)],
             env=plain,
             cwd=stage,
             capture_output=True,

@@ -33,6 +33,7 @@ from overnight.worker.redisio.receipts import read as read_receipts
 from overnight.worker.sandbox import cgroup
 from overnight.worker.sandbox.stepuser import StepUser, StepUserRefused, decide, workdir_problem
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
+from tests import reachable
 from tests.helpers import OVERNIGHT, final_doc, lacking, task_file
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
@@ -137,7 +138,7 @@ def test_a_step_user_cannot_be_honoured_by_a_plain_user(env: dict[str, str]) -> 
         pytest.skip("no setpriv")
     as_nobody = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
     proc = subprocess.run(
-        [*as_nobody, OVERNIGHT, "supervise", "--", "true"],
+        [*as_nobody, reachable.overnight(), "supervise", "--", "true"],
         env={**env, "OVERNIGHT_STEP_USER": "nobody"},
         cwd="/",
         capture_output=True,

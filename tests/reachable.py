@@ -1,0 +1,89 @@
+"""The overnight command and interpreter as another user (``nobody``, a plain user) can run
+them: the checkout's own where every folder above its venv lets others in; otherwise (a
+checkout under /root, or in a 0700 folder) a copy made once per test session in a fresh
+folder of the temp folder that others can enter: the venv (hard links where the file system
+allows, the scripts' first lines and the editable install's path file rewritten) and the
+package's source."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(sys.prefix)
+
+
+def others_can_enter(path: Path) -> bool:
+    """True if every folder from / down to ``path`` lets any user through (o+x)."""
+    for folder in [*reversed(path.parents), path]:
+        try:
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+@cache
+def _copy() -> Path:
+    shared = Path(tempfile.mkdtemp(prefix="overnight-tests-venv-"))
+    shared.chmod(0o755)
+    atexit.register(shutil.rmtree, shared, True)
+    venv = shared / "venv"
+    linked = subprocess.run(["cp", "-al", str(VENV), str(venv)], capture_output=True, check=False)
+    if linked.returncode != 0:  # another file system: a plain copy
+        shutil.rmtree(venv, ignore_errors=True)
+        shutil.copytree(VENV, venv, symlinks=True)
+    src = shared / "src"
+    package = Path(__import__("overnight").__file__).resolve().parent
+    shutil.copytree(package, src / "overnight", ignore=shutil.ignore_patterns("__pycache__"))
+    old, new = str(VENV), str(venv)
+    for script in (venv / "bin").iterdir():
+        if script.is_symlink() or not script.is_file():
+            continue
+        with open(script, "rb") as fh:
+            head = fh.read(2)
+        if head != b"#!":
+            continue
+        text = script.read_bytes()
+        first, _, rest = text.partition(b"\n")
+        if old.encode() in first:
+            _replace(script, first.replace(old.encode(), new.encode()) + b"\n" + rest)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for pth in site.glob("*.pth"):
+        lines = pth.read_text().splitlines()
+        if any(line.strip() == str(package.parent) for line in lines):
+            fixed = [str(src) if line.strip() == str(package.parent) else line for line in lines]
+            _replace(pth, ("\n".join(fixed) + "\n").encode())
+    return venv
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` anew (a hard link to the checkout's file is never written through)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    path.unlink()
+    path.write_bytes(data)
+    path.chmod(mode)
+
+
+def venv_for_others() -> Path:
+    """The venv another user can run: the checkout's, or this session's copy."""
+    return VENV if others_can_enter(VENV / "bin") and others_can_enter(ROOT / "src") else _copy()
+
+
+def overnight() -> str:
+    """The ``overnight`` command for another user."""
+    return str(venv_for_others() / "bin" / "overnight")
+
+
+def python() -> str:
+    """The venv's interpreter for another user."""
+    return str(venv_for_others() / "bin" / Path(sys.executable).name)
