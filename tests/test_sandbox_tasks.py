@@ -5,6 +5,7 @@ request metered), and its verifier rule runs sandboxed too (bwrap's host name pr
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,3 +55,37 @@ def test_an_agent_reaches_the_gateway_through_the_bridge(
     assert (tmp_path / "three" / "ok.txt").read_text() == INSIDE
     assert done["calls_used"] == 3 + 1  # three model requests through the bridge, one rule
     assert envelope.snapshot().consumed_model == 3
+
+
+def test_a_worktree_task_in_a_subfolder_is_fixed_and_verified_sandboxed(
+    tenv: dict[str, str], tmp_path: Path, r: redis.Redis, namespace: str
+) -> None:
+    """The agent edits its worktree above its folder; the rule, in the fresh checkout's same
+    subfolder, reads the checkout's root: both sandboxes hold the whole tree."""
+    CallEnvelope(r, "default", namespace).reset(20)
+    repo = tmp_path / "proj"
+    (repo / "sub").mkdir(parents=True)
+    (repo / "file.txt").write_text("broken\n")
+    (repo / "sub" / "check.sh").write_text(
+        f'grep -q fixed ../file.txt && test "$(hostname)" = {INSIDE}\n'
+    )
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    for args in (["init", "-q", "."], ["add", "."], ["commit", "-qm", "a bug"]):
+        subprocess.run([*git, *args], cwd=repo, check=True, timeout=30)
+    agent = ["sh", "-c", "git status --short && sed -i s/broken/fixed/ ../file.txt"]
+    lines = [
+        'id = "sub"',
+        'workdir = "proj/sub"',
+        'assignment = "Fix file.txt."',
+        f"agent = {json.dumps(agent)}",
+        "max_calls = 10",
+        "heartbeat_gap = 5",
+        "[[verifier]]",
+        'name = "fixed"',
+        'run = ["sh", "check.sh"]',
+    ]
+    path = tmp_path / "sub.toml"
+    path.write_text("\n".join(lines) + "\n")
+    done = run_burst({**tenv, "OVERNIGHT_STATE_DIR": str(tmp_path / "state")}, path, "sub")
+    assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-4000:]
+    assert done["workspace"] == "worktree" and done["diffstat"], done

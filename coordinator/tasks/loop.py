@@ -358,6 +358,7 @@ class TaskLoop:
                 argv=rule_argv(req.argv, rec.spec.base, checked),
                 env=verifier_env(req.env, forbidden),
                 as_step_user=False,
+                worktree=checked.root,  # in a sandbox: the whole checkout, read-write
             )
             self._ran = True
             out = self.runner(req)
