@@ -256,6 +256,45 @@ def test_the_tree_kill_reaches_into_the_sandbox(env: dict[str, str], who: str, p
             os.kill(pid, 9)
 
 
+def test_a_killed_supervisor_takes_the_sandbox_with_it(
+    env: dict[str, str], who: str, place: Path
+) -> None:
+    """SIGKILL to ``overnight supervise`` (nothing of it runs its end): bwrap dies with its
+    parent, and the pid namespace with it, escapees included."""
+    marker = f"orphan-{uuid.uuid4().hex[:8]}"
+    script = f"setsid {PY3} -c 'import time; time.sleep(300)' {marker} & sleep 300"
+
+    def sleepers() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    found.append(int(pid))
+        return found
+
+    step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
+    if who == "step-user":
+        step_env["OVERNIGHT_STEP_USER"] = "overnight-step"
+    exe = str(Path(sys.executable).with_name("overnight"))
+    proc = subprocess.Popen(
+        [exe, "supervise", "--quiet", "--gap", "30", "--deadline", "60", "--", "sh", "-c", script],
+        env=step_env,
+        cwd=place / "wt",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: sleepers() or None, timeout=20)  # the escapee really ran
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not sleepers(), timeout=10)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for pid in sleepers():
+            os.kill(pid, 9)
+
+
 class _Hello(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = b"HELLO-FROM-GATEWAY"
