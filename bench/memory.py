@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from overnight.config.keys import Keys
     from overnight.config.settings import load_settings
-    from overnight.coordinator.dispatch.core import enqueue, recover
+    from overnight.coordinator.dispatch.enqueue import enqueue
+    from overnight.coordinator.dispatch.recovery import recover
     from overnight.coordinator.night.embedded_redis import EmbeddedRedis
     from overnight.coordinator.tasks.states import State
     from overnight.coordinator.tasks.store import Checkpoint, Next, Runner, TaskRecord, TaskStore

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from overnight.config.keys import Keys
     from overnight.config.settings import load_settings
-    from overnight.coordinator.dispatch.core import enqueue, recover
+    from overnight.coordinator.dispatch.enqueue import enqueue
+    from overnight.coordinator.dispatch.recovery import recover
     from overnight.coordinator.night.embedded_redis import EmbeddedRedis
     from overnight.coordinator.tasks.store import TaskStore
     from overnight.coordinator.tasks.taskfile import Rule, TaskSpec

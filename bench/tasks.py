@@ -80,7 +80,7 @@ def run_overnight(url: str, n: int, workers: int, env: dict[str, str], workdir: 
     import redis
 
     from overnight.config.keys import Keys
-    from overnight.coordinator.dispatch.core import enqueue
+    from overnight.coordinator.dispatch.enqueue import enqueue
     from overnight.coordinator.tasks.store import TaskStore
     from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
     from overnight.worker.envelope.envelope import CallEnvelope

@@ -15,7 +15,8 @@ import redis
 
 from overnight.config.keys import Keys
 from overnight.config.settings import Settings, load_settings
-from overnight.coordinator.dispatch.core import RecoveryLead, recover
+from overnight.coordinator.dispatch.lead import RecoveryLead
+from overnight.coordinator.dispatch.recovery import recover
 from overnight.coordinator.tasks.states import State
 from overnight.coordinator.tasks.store import Checkpoint, Next, Runner, TaskStore
 from overnight.coordinator.tasks.taskfile import Rule, TaskSpec

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.dispatch.core import stoppable
+from overnight.coordinator.dispatch.job import stoppable
 from overnight.coordinator.report.logs import expired_logs, prune_task_logs
 from overnight.coordinator.tasks import stop
 from overnight.coordinator.tasks.loop import LoopConfig, TaskLoop

@@ -310,7 +310,7 @@ def test_rq_info_and_rq_worker_class(
             "--url",
             url,
             "-w",
-            "overnight.coordinator.dispatch.core.OvernightWorker",
+            "overnight.coordinator.dispatch.OvernightWorker",
             queue,
         ],
         env=tenv,

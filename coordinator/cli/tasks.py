@@ -73,7 +73,7 @@ def submit_command(
     """
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
-    from overnight.coordinator.dispatch.core import enqueue
+    from overnight.coordinator.dispatch.enqueue import enqueue
     from overnight.coordinator.tasks.store import TaskIdTaken
     from overnight.coordinator.tasks.taskfile import TaskFileError, load_all
 
@@ -164,8 +164,8 @@ def worker_command(
     from overnight.config.connection import describe
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
-    from overnight.coordinator.dispatch.core import OvernightWorker
     from overnight.coordinator.dispatch.gateway_watch import GatewayWatch
+    from overnight.coordinator.dispatch.worker import OvernightWorker
     from overnight.coordinator.report.metrics import serve_from_settings as serve_metrics
     from overnight.coordinator.workspace.hostdirs import prepare_host
     from overnight.worker.redisio.clients import STARTUP_WAIT, retry_transient, transient
@@ -288,7 +288,8 @@ def reconcile_command(task_id: str, action: str | None) -> None:
     running one). Prints the task's status JSON.
     """
     from overnight.config.context import redis_client, rq_connection, settings
-    from overnight.coordinator.dispatch.core import enqueue, recover
+    from overnight.coordinator.dispatch.enqueue import enqueue
+    from overnight.coordinator.dispatch.recovery import recover
     from overnight.coordinator.tasks.states import PAUSED, RUNNING
     from overnight.coordinator.tasks.store import TaskRefused
 

@@ -73,7 +73,7 @@ class GatewayWatch:
         """Start and watch this host's gateway; None when no upstream is configured or a
         gateway already answers on its port (one per host: another worker's, or ``up``'s,
         which its starter watches)."""
-        from overnight.coordinator.dispatch.core import gateway_answers, gateway_wanted
+        from overnight.coordinator.dispatch.gateway_probe import gateway_answers, gateway_wanted
 
         if not gateway_wanted(cfg) or gateway_answers(cfg):
             return None

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import redis
 
     from overnight.config.settings import Settings
-    from overnight.coordinator.dispatch.core import RecoveryLead
+    from overnight.coordinator.dispatch.lead import RecoveryLead
     from overnight.coordinator.night.ending import Night
     from overnight.coordinator.tasks.store import TaskRecord
 
@@ -93,7 +93,7 @@ def submit_folders(
     ``need_envelopes``, nothing is enqueued either if a new task names an envelope that does
     not exist (``no_envelope``): it would halt at its first call.
     """
-    from overnight.coordinator.dispatch.core import enqueue
+    from overnight.coordinator.dispatch.enqueue import enqueue
     from overnight.coordinator.tasks.store import TaskStore
     from overnight.coordinator.tasks.taskfile import TaskFileError, load_all
 
@@ -131,7 +131,8 @@ def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> l
     holds the namespace's recovery lead (taken here when free), recovers tasks whose worker
     died or whose own deadline passed.
     """
-    from overnight.coordinator.dispatch.core import RecoveryLead, lead_ttl, recover
+    from overnight.coordinator.dispatch.lead import RecoveryLead, lead_ttl
+    from overnight.coordinator.dispatch.recovery import recover
     from overnight.coordinator.report.metrics import REAPER
     from overnight.worker.reaper.reaper import reap_once
 

@@ -211,7 +211,7 @@ def resume_queued(
     from rq.exceptions import NoSuchJobError
     from rq.job import Job, JobStatus
 
-    from overnight.coordinator.dispatch.core import enqueue
+    from overnight.coordinator.dispatch.enqueue import enqueue
     from overnight.coordinator.tasks.states import QUEUED
     from overnight.coordinator.tasks.store import TaskStore
 

@@ -279,7 +279,7 @@ def _run(
     where: str,
 ) -> UpResult:
     from overnight.config.connection import describe
-    from overnight.coordinator.dispatch.core import gateway_answers, gateway_wanted
+    from overnight.coordinator.dispatch.gateway_probe import gateway_answers, gateway_wanted
     from overnight.coordinator.night.control import ensure_envelope, submit_folders
     from overnight.coordinator.report.view import envelope_lines, render_plain
     from overnight.coordinator.tasks.store import TaskStore

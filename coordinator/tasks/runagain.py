@@ -104,7 +104,7 @@ def run_again(
     the new run's folder; from the base, the branch is first renamed
     ``overnight/<id>-<old run>`` (its worktree removed) so the earlier work stays, and a new
     branch grows from the base. Raises :class:`RerunRefused`."""
-    from overnight.coordinator.dispatch.core import enqueue
+    from overnight.coordinator.dispatch.enqueue import enqueue
     from overnight.coordinator.tasks.store import TaskRefused
 
     rec = store.get(task_id)
