@@ -263,8 +263,10 @@ def test_mini_honours_the_proxy_variables(trap: Trap, tmp_path: Path) -> None:
 @needs_mini
 @pytest.mark.slow
 def test_a_fix_by_mini_is_verified_and_every_request_charged(bench: Bench) -> None:
+    # The fix also keeps what the agent's environment says the proxy is (in its commit).
+    fix = f"{FIX}; printenv HTTPS_PROXY > proxy.txt"
     upstream = bench.scripted(
-        [{"text": "Fixing.", "shell": FIX}, {"text": "Done.", "shell": SUBMIT}]
+        [{"text": "Fixing.", "shell": fix}, {"text": "Done.", "shell": SUBMIT}]
     )
     done = bench.run(upstream, "mini-fix", agent=MINI, max_calls=20)
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
@@ -274,6 +276,17 @@ def test_a_fix_by_mini_is_verified_and_every_request_charged(bench: Bench) -> No
     # calls_used: each request, each tool call the model asked for (2), one rule run.
     assert done["calls_used"] == len(sent) + 2 + 1
     assert bench.agent_said("mini-fix") == [("Submitted after 2 model calls", True)]
+    # The task's agent ran with every proxy at the trap (which mini honours: the control
+    # above), and the trap saw nothing.
+    shown = subprocess.run(
+        ["git", "show", "overnight/mini-fix:proxy.txt"],
+        cwd=bench.folder / "mini-fix",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert shown.stdout == bench.trap.url + "\n"
     assert bench.trap.seen == []
 
 
