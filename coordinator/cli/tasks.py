@@ -215,7 +215,7 @@ def worker_command(
                     exc,
                 )
                 with contextlib.suppress(Exception):
-                    worker.unsubscribe()  # type: ignore[no-untyped-call]
+                    worker.unsubscribe()
                     worker.register_death()  # type: ignore[no-untyped-call]
                 time.sleep(1.0)
                 worker = OvernightWorker(names, connection=conn, name=name)

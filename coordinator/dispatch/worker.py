@@ -26,6 +26,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.dispatch.enqueue import JOB_FUNC
 from overnight.coordinator.dispatch.job import HORSE_STOP, text_client
 from overnight.coordinator.dispatch.lead import RecoveryLead, lead_ttl
+from overnight.coordinator.dispatch.listener import stop_listening
 from overnight.coordinator.dispatch.recovery import recover
 from overnight.coordinator.report.logs import prune_task_logs, task_log_root
 from overnight.coordinator.tasks.store import TaskRefused, TaskStore
@@ -146,6 +147,10 @@ class OvernightWorker(Worker):
             self.log.warning("worker %s: could not unregister: %s", self.name, exc)
         if self._lead is not None:
             self._lead.release()
+
+    def unsubscribe(self) -> None:
+        # RQ's own waits on its command listener, up to a minute for an idle worker's stop.
+        stop_listening(self)
 
     def run_maintenance_tasks(self) -> None:
         if super().should_run_maintenance_tasks:
