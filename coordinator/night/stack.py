@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overnight.config import defaults
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from overnight.worker.supervise import procs
 from overnight.worker.supervise.procs import Proc
@@ -50,7 +51,7 @@ class Stack:
 
     env: dict[str, str]
     state_dir: Path
-    grace: float = 5.0
+    grace: float = defaults.GRACE
     up_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     redis: EmbeddedRedis | None = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)

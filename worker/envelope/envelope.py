@@ -29,6 +29,7 @@ from overnight.worker.envelope.refusals import (
 from overnight.worker.envelope.state import (
     KINDS,
     MAX_UNITS,
+    RESERVATION_TTL,
     EnvelopeState,
     Kind,
     Reply,
@@ -196,7 +197,12 @@ class CallEnvelope:
         return self._run(self._consume, kind, 4, args, units).state
 
     def reserve(
-        self, kind: str, units: int, *, ttl: float = 300.0, request_id: str | None = None
+        self,
+        kind: str,
+        units: int,
+        *,
+        ttl: float = RESERVATION_TTL,
+        request_id: str | None = None,
     ) -> Reservation:
         """Hold the worst case of a call before making it; settle with :meth:`commit`.
 

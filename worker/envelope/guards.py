@@ -21,6 +21,7 @@ from overnight.worker.envelope.envelope import (
     EnvelopeUnavailable,
     Reservation,
 )
+from overnight.worker.envelope.state import RESERVATION_TTL
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -71,7 +72,7 @@ def reserving(
     kind: str,
     units: int,
     *,
-    ttl: float = 300.0,
+    ttl: float = RESERVATION_TTL,
     request_id: str | None = None,
 ) -> Iterator[Hold]:
     """Reserve ``units`` before the body and commit ``hold.actual`` after it.

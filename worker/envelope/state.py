@@ -13,6 +13,8 @@ Kind = Literal["model", "tool"]
 KINDS: tuple[Kind, ...] = ("model", "tool")
 # Lua numbers are doubles: beyond 2**53 the scripts' comparisons would stop being exact.
 MAX_UNITS = 2**53
+# Seconds a reservation holds its units unless given a ttl; uncommitted, they return after.
+RESERVATION_TTL = 300.0
 
 
 class EnvelopeState(BaseModel):
