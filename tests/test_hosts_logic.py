@@ -4,7 +4,6 @@ re-run (no lease of it could still be alive on any host)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import redis
@@ -171,15 +170,16 @@ def test_the_listener_wakes_on_a_lapsed_liveness_key(r: redis.Redis, namespace: 
         assert ear.enabled, "the test server allows CONFIG SET"
         assert "K" in str(r.config_get("notify-keyspace-events")["notify-keyspace-events"])
         r.set(keys.lease_alive("other"), "1")  # no expiry: no event
-
-        def heard() -> bool:
-            # Until the subscription is in place an expiry goes unheard: lapse another key.
-            r.set(keys.lease_alive(f"x{time.monotonic()}"), "1", px=20)
-            return ear.heard >= 1
-
-        wait_for(heard, timeout=10, interval=0.2)
+        # An expiry before the subscription is in place goes unheard: wait for it (this
+        # server has no other pattern subscriber), then lapse exactly one key.
+        wait_for(lambda: r.pubsub_numpat() >= 1, timeout=10)
+        lapsing = keys.lease_alive("lapsing")
+        r.set(lapsing, "1", px=20)
+        wait_for(lambda: not r.exists(lapsing), timeout=10)  # deleted: its event is out
+        wait_for(lambda: ear.heard >= 1, timeout=10)
+        assert ear.heard == 1
         assert ear.wait(5.0) is True  # woken, not timed out
-        assert ear.wait(0.05) is False
+        assert ear.wait(0.05) is False  # the one event is spent; no other key can lapse
     finally:
         stop.set()
         ear.thread.join(5)
