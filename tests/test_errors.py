@@ -14,6 +14,8 @@ REFUSALS = [
     ("overnight.config.stopat", "StopAtError", ValueError),
     ("overnight.config.settings", "ConfigError", Exception),
     ("overnight.config.exits", "CommandError", Exception),
+    ("overnight.config.folders", "FolderUnusable", Exception),
+    ("overnight.worker.sandbox.launch", "SandboxUnavailable", Exception),
     ("overnight.worker.sandbox.stepuser", "StepUserRefused", Exception),
     ("overnight.worker.lease.store", "LeaseRefused", Exception),
     ("overnight.worker.lease.store", "LeaseCorrupt", ValueError),
