@@ -163,3 +163,49 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
         "codex",
         "mini-swe-agent",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_editable_install_is_a_plain_path_entry_and_warns_of_nothing(tmp_path: Path) -> None:
+    source = tmp_path / "checkout"
+    # Links kept as links: src/overnight's layers point at the copy's own folders.
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCE, symlinks=True)
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60
+    )
+    python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-v", "--no-deps"]
+    install = subprocess.run(
+        [*pip, "-e", str(source)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+    )
+    assert install.returncode == 0, install.stdout[-4000:]
+    assert "same name as your package" not in install.stdout
+    assert "meta path finder" not in install.stdout
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    (pth,) = site.glob("__editable__.overnight-*.pth")
+    assert pth.read_text().split() == [str((source / "src").resolve())]
+    assert not list(site.glob("__editable___overnight*finder.py"))
+
+    deps = Path(redis.__file__).resolve().parent.parent
+    (site / "_test_dependencies.pth").write_text(f"{deps}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+    code = "import overnight.config.settings, overnight; print(overnight.__file__)"
+    at_root = subprocess.run(
+        [str(python), "-c", code],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert at_root.returncode == 0, at_root.stderr
+    assert Path(at_root.stdout.strip()) == source / "src" / "overnight" / "__init__.py"
