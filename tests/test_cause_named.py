@@ -20,6 +20,7 @@ from overnight.coordinator.tasks.store import Runner, TaskStore
 from overnight.coordinator.tasks.taskfile import Rule, TaskFileError, TaskSpec, load
 from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.redisio import receipts
+from tests.helpers import wait_for
 from tests.repos import sh
 
 PY = sys.executable
@@ -255,3 +256,37 @@ def test_submit_says_a_workdir_the_worktree_will_not_have(
     loaded = load(path, tmp_path / "state")
     assert loaded.base is not None and loaded.base.mode == "worktree"
     assert os.path.isdir(loaded.workdir)
+
+
+# --- a worker that died before its step started ----------------------------------------------
+
+
+def test_a_step_whose_worker_died_before_it_started_runs_again_charged_once(
+    r: redis.Redis, namespace: str, tmp_path: Path, env: dict[str, str]
+) -> None:
+    from overnight.config.settings import load_settings
+    from overnight.coordinator.dispatch.recovery import recover
+    from overnight.coordinator.tasks.judge import begin, request_id
+    from overnight.coordinator.tasks.record import Checkpoint
+
+    envelope_, consume = envelope(r, namespace, 10)
+    store = TaskStore(r, Keys(namespace))
+    task = spec(tmp_path, ["sh", "-c", "touch ok.txt"], ["test", "-f", "ok.txt"])
+    [rec] = store.create([task.model_copy(update={"on_unknown": "pause"})], queue="q")
+    # A worker claims it and begins the agent step (charged, in flight), then dies before the
+    # step's lease is taken: no lease of the task exists.
+    rec = store.claim(rec.id, rec.attempt, "tok", 0.3, Runner(worker="gone"))
+    request = request_id(rec.id, rec.run, rec.checkpoint)
+    store.begin(rec, "tok", begin(Checkpoint(), rec.spec, request, store.now()), rec.spec.max_calls)
+    consume("default", "model", request)
+    wait_for(lambda: not r.exists(Keys(namespace).task_claim(rec.id)))
+    recover(r, r, Keys(namespace), load_settings())
+    back = store.get(rec.id)
+    assert back is not None and back.state == "queued", back and back.detail
+    assert "died before the agent step of turn 1 started; it runs again" in back.detail
+    assert back.checkpoint.in_flight is None and back.calls_used == 1
+
+    loop(store, tmp_path, consume, rec.id)
+    done = store.get(rec.id)
+    assert done is not None and done.state == "finished_verified", done and done.detail
+    assert done.calls_used == 2 and spent(envelope_) == (1, 1)  # the agent step charged once

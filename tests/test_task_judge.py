@@ -224,21 +224,29 @@ FLIGHT = InFlight(turn=1, step=0, name="agent", request_id="x", started_unix=NOW
 
 
 @pytest.mark.parametrize(
-    ("on_unknown", "lost", "flight", "state", "keeps_flight"),
+    ("on_unknown", "lost", "flight", "started", "state", "keeps_flight"),
     [
-        ("pause", 0, FLIGHT, PAUSED, True),
-        ("retry", 0, FLIGHT, QUEUED, False),
-        ("retry", 0, None, QUEUED, False),
-        ("pause", 0, None, QUEUED, False),
-        ("retry", 2, FLIGHT, PAUSED, True),
-        ("retry", 2, None, PAUSED, False),
+        ("pause", 0, FLIGHT, True, PAUSED, True),
+        ("retry", 0, FLIGHT, True, QUEUED, False),
+        ("retry", 0, None, True, QUEUED, False),
+        ("pause", 0, None, True, QUEUED, False),
+        ("retry", 2, FLIGHT, True, PAUSED, True),
+        ("retry", 2, None, True, PAUSED, False),
+        # A step that never started has a known outcome: it runs again, even under "pause".
+        ("pause", 0, FLIGHT, False, QUEUED, False),
+        ("pause", 2, FLIGHT, False, PAUSED, True),
     ],
 )
 def test_lost_step(
-    on_unknown: str, lost: int, flight: InFlight | None, state: State, keeps_flight: bool
+    on_unknown: str,
+    lost: int,
+    flight: InFlight | None,
+    started: bool,
+    state: State,
+    keeps_flight: bool,
 ) -> None:
     cp = Checkpoint(lost_leases=lost, in_flight=flight)
-    nxt = lost_step(cp, on_unknown, 3)
+    nxt = lost_step(cp, on_unknown, 3, started=started)
     assert nxt.state == state and nxt.detail
     assert nxt.checkpoint.lost_leases == lost + 1 and cp.lost_leases == lost
     assert (nxt.checkpoint.in_flight is not None) is keeps_flight

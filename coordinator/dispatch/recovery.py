@@ -17,7 +17,7 @@ from rq.job import Job, JobStatus
 
 from overnight.config.keys import Keys
 from overnight.coordinator.dispatch.enqueue import enqueue
-from overnight.coordinator.dispatch.rerun import step_may_run
+from overnight.coordinator.dispatch.rerun import step_leases, step_may_run
 from overnight.coordinator.tasks.judge import expired, lost_step
 from overnight.coordinator.tasks.states import QUEUED
 from overnight.coordinator.tasks.store import TaskCorrupt, TaskRecord, TaskRefused, TaskStore
@@ -113,7 +113,10 @@ def recover(
         cp, spec = rec.checkpoint, rec.spec
         started = rec.started_unix
         ended = None if started is None else expired(cp, spec, now, started + spec.deadline)
-        nxt = ended or lost_step(cp, spec.on_unknown, settings.max_lost_leases)
+        flight = cp.in_flight
+        started = flight is None or bool(step_leases(client, keys, rec.id, flight.started_unix))
+        cap = settings.max_lost_leases
+        nxt = ended or lost_step(cp, spec.on_unknown, cap, started=started)
         new, detail = nxt.state, nxt.detail
         if new == QUEUED and step_may_run(client, keys, rec, settings.grace, now):
             continue  # at most one live step per task: not while a lease of it may live

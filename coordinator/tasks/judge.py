@@ -156,8 +156,10 @@ def begin(cp: Checkpoint, spec: TaskSpec, request: str, now: float) -> Checkpoin
     return out
 
 
-def lost_step(cp: Checkpoint, on_unknown: str, cap: int) -> Next:
-    """What a task whose worker died becomes (QUEUED again, or PAUSED); counts the loss."""
+def lost_step(cp: Checkpoint, on_unknown: str, cap: int, *, started: bool = True) -> Next:
+    """What a task whose worker died becomes (QUEUED again, or PAUSED); counts the loss.
+    ``started`` False: the step in flight never started (no lease of it was ever taken), so
+    its outcome is known and it runs again, still charged once (its request id)."""
     out = cp.model_copy(deep=True)
     out.lost_leases += 1
     flight = out.in_flight
@@ -166,6 +168,9 @@ def lost_step(cp: Checkpoint, on_unknown: str, cap: int) -> Next:
     if flight is None:
         return Next(out, QUEUED, "worker died between steps; resuming from the checkpoint")
     what = f"{flight.name} step of turn {flight.turn}"
+    if not started:
+        out.in_flight = None
+        return Next(out, QUEUED, f"its worker died before the {what} started; it runs again")
     if on_unknown == "pause":
         return Next(out, PAUSED, f"outcome of the {what} is unknown: its worker died")
     out.in_flight = None
