@@ -11,6 +11,7 @@ from overnight.worker.sandbox.bwrap import (
     group_text,
     launch_argv,
     passwd_text,
+    writable_problem,
 )
 from overnight.worker.sandbox.launch import worktree_git
 
@@ -168,3 +169,28 @@ def test_passwd_names_the_uid(user: str, uid: int, gid: int, home: str, line: st
 )
 def test_a_worktrees_repository_is_bound_read_only(git_dir: str, bound: tuple[str, ...]) -> None:
     assert worktree_git(git_dir) == bound
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("/state/wt/t1", None),
+        ("/tmp/overnight-sbx/wt", None),
+        ("/", "would expose the host"),
+        ("/usr", "would expose the host"),
+        ("/etc/cron.d", "would expose the host"),
+        ("/state/../usr", "would expose the host"),
+        ("/run/overnight/x", "would expose the host"),
+        ("/tmp", "would expose the host"),
+        ("/home/", "would expose the host"),
+        ("/home/alice/project", None),
+        ("/var/lib/overnight/worktrees/t1", None),
+        ("wt", "not an absolute path"),
+    ],
+)
+def test_what_may_be_bound_read_write(path: str, problem: str | None) -> None:
+    found = writable_problem(path)
+    assert (found is None) if problem is None else (problem in (found or ""))
+    if problem is not None:
+        with pytest.raises(ValueError, match="cannot bind read-write"):
+            launch_argv(spec(worktree=path))

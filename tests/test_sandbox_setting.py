@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,24 @@ def test_supervise_exits_78_in_one_line_when_no_sandbox_can_start(
     else:
         assert done.returncode == 0, done.stderr
         assert "step-ran" in done.stdout
+
+
+@pytest.mark.parametrize("where", ["/", "/tmp", "/usr/share"])
+def test_a_step_run_from_a_host_folder_is_not_started(
+    env: dict[str, str], tmp_path: Path, where: str
+) -> None:
+    """``/``, all of ``/tmp`` or a system folder as the worktree would bind the host
+    read-write: the step does not start (126) and one line says why; from a folder of its
+    own the same step runs (the twin)."""
+    if launch.find_bwrap() is None:
+        pytest.skip("bubblewrap is not installed")
+    step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
+    argv = [OVERNIGHT, "supervise", "--quiet", "--", "echo", "step-ran"]
+    done = subprocess.run(argv, env=step_env, cwd=where, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 126, done.stderr
+    assert "would expose the host read-write" in done.stdout + done.stderr
+    assert "step-ran" not in done.stdout
+    twin = subprocess.run(
+        argv, env=step_env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert twin.returncode == 0 and "step-ran" in twin.stdout, twin.stderr

@@ -29,6 +29,9 @@ Network = Literal["none", "host"]
 
 # Top-level entries of a Debian-like root that hold programs and libraries, never state.
 SYSTEM_TOP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
+# Never bound read-write at any depth (the host's live state), nor any of SHARED itself.
+HOST_TOP = ("proc", "sys", "dev", "run", "boot")
+SHARED = ("/tmp", "/var", "/var/tmp", "/home", "/root", "/srv", "/mnt", "/media")
 GATEWAY_SOCKET = "/run/gateway/socket"  # where the gateway's Unix socket is bound inside
 TMPFS_PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -97,6 +100,24 @@ def group_text(user: str, gid: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def writable_problem(path: str) -> str | None:
+    """Why ``path`` may not be bound read-write into a sandbox (None: it may): it must be
+    absolute, not ``/``, not in a system folder or the host's live state (``/run``,
+    ``/proc``...), and not a whole shared folder (``/tmp``, ``/home``...): any of these
+    would undo the sandbox's view."""
+    if not path.startswith("/"):
+        return f"{path!r} is not an absolute path"
+    parts = [p for p in path.split("/") if p]
+    if (
+        not parts
+        or parts[0] in SYSTEM_TOP + HOST_TOP
+        or "/" + "/".join(parts) in SHARED
+        or any(p in (".", "..") for p in parts)
+    ):
+        return f"{path!r} would expose the host read-write"
+    return None
+
+
 def _parents(rel: str) -> list[str]:
     parts = rel.split("/")
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
@@ -108,6 +129,10 @@ def launch_argv(spec: SandboxSpec) -> list[str]:
         raise ValueError("a gateway needs both its socket and its port")
     if spec.network == "none" and spec.gateway_socket is not None and not spec.bridge:
         raise ValueError("a gateway needs the bridge's argv")
+    for path in (spec.worktree, *spec.writable):
+        problem = writable_problem(path)
+        if problem is not None:
+            raise ValueError(f"cannot bind read-write: {problem}")
     argv: list[str] = []
     if spec.switch_uid:
         groups = ",".join(str(g) for g in spec.groups)

@@ -176,6 +176,10 @@ def prepare(
 ) -> Prepared:
     """The launch of ``argv`` in its sandbox, as ``user`` (None: this process's user).
     Raises :class:`SandboxUnavailable` without bwrap (or, for a gateway, a system Python)."""
+    for path in (worktree, *writable):
+        problem = bwrap.writable_problem(os.path.realpath(path))
+        if problem is not None:  # an OSError: the step does not start, and says why
+            raise PermissionError(f"the sandbox cannot bind {path} read-write: {problem}")
     program = find_bwrap()
     if program is None:
         raise SandboxUnavailable("bwrap is not installed")
