@@ -13,6 +13,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import redis
+from rq import Queue, Worker
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 
 from overnight.config.keys import Keys
@@ -56,31 +58,69 @@ def _records(store: TaskStore, task_ids: list[str]) -> list[TaskRecord]:
     return out
 
 
+ENDED_JOB = frozenset(
+    s.value for s in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
+)
+
+
+def job_lost(status: str | None, waiting: bool, worker_alive: bool) -> bool:
+    """Whether the RQ job of a task still queued past its grace will never run its task.
+
+    It will run only if it waits in its queue's list, or a live worker has started it (its
+    work horse claims the task in a moment). A job taken from the list but never started (a
+    worker met an error between the two, e.g. a Redis at maxmemory) sits in RQ's
+    intermediate list until RQ's own maintenance fails it, ten minutes and more later; a
+    job whose hash says queued but whose id is in no list never runs at all.
+    """
+    if status is None or status in ENDED_JOB:
+        return True
+    if waiting:
+        return False
+    if status == JobStatus.STARTED.value:
+        return not worker_alive
+    return True
+
+
+def _text(value: object) -> str | None:
+    return value.decode() if isinstance(value, bytes) else None if value is None else str(value)
+
+
 def _queued_without_job(store: TaskStore, rq_conn: redis.Redis, task_ids: list[str]) -> list[str]:
-    """Those of ``task_ids`` that are queued and whose current attempt's RQ job is missing
-    or has ended: two round trips, a few fields each, however many are asked about."""
+    """Those of ``task_ids`` that are queued and whose current attempt's RQ job will never
+    run (:func:`job_lost`): three round trips however many are asked about. A lost job's id
+    is taken out of its queue's intermediate list, so RQ's clean-up never fails the job
+    that is enqueued again under the same id."""
     pipe = store.client.pipeline(transaction=False)
     for task_id in task_ids:
-        pipe.hmget(store.keys.task(task_id), "state", "run", "attempt")
+        pipe.hmget(store.keys.task(task_id), "state", "run", "attempt", "queue")
     queued = [
-        (task_id, f"{task_id}-{run}-{attempt}")
-        for task_id, (state, run, attempt) in zip(task_ids, pipe.execute(), strict=True)
+        (task_id, f"{task_id}-{run}-{attempt}", Queue(str(queue), connection=rq_conn).key)
+        for task_id, (state, run, attempt, queue) in zip(task_ids, pipe.execute(), strict=True)
         if state == QUEUED.value
     ]
     if not queued:
         return []
     rq_pipe = rq_conn.pipeline(transaction=False)
-    for _task_id, job_id in queued:
-        rq_pipe.hget(Job.key_for(job_id), "status")
-    ended = {
-        s.value
-        for s in (JobStatus.FAILED, JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.CANCELED)
-    }
+    for _task_id, job_id, queue_key in queued:
+        rq_pipe.hmget(Job.key_for(job_id), "status", "worker_name")
+        rq_pipe.lpos(queue_key, job_id)
+    rows = rq_pipe.execute()
+    jobs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
+    alive_pipe = rq_conn.pipeline(transaction=False)
+    for (_status, worker), _pos in jobs:
+        name = _text(worker) or "-"
+        alive_pipe.exists(Worker.redis_worker_namespace_prefix + name)
+    alive = alive_pipe.execute()
     gone = []
-    for (task_id, _job_id), status in zip(queued, rq_pipe.execute(), strict=True):
-        text = status.decode() if isinstance(status, bytes) else status
-        if text is None or text in ended:
+    drop = rq_conn.pipeline(transaction=False)
+    for (task_id, job_id, queue_key), ((status, _worker), pos), live in zip(
+        queued, jobs, alive, strict=True
+    ):
+        if job_lost(_text(status), pos is not None, bool(live)):
             gone.append(task_id)
+            drop.lrem(IntermediateQueue.get_intermediate_queue_key(queue_key), 0, job_id)
+    if gone:
+        drop.execute()
     return gone
 
 
