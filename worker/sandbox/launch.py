@@ -79,7 +79,7 @@ def bridge_argv(python: str) -> tuple[str, ...]:
 
 def _under_system(path: str) -> bool:
     top = Path(path).parts[1:2]
-    return bool(top) and top[0] in bwrap.SYSTEM_TOP
+    return not top or top[0] in bwrap.SYSTEM_TOP  # "/" itself is never bound
 
 
 def own_code() -> tuple[str, ...]:
@@ -217,7 +217,7 @@ def prepare(
             groups=groups,
             writable=tuple(writable),
             readable=_reachable([*own_code(), *readable], user),
-            sockets=tuple(sockets),
+            sockets=_reachable(sockets, user),
             home_files=tuple(files),
             network=network,
             gateway_socket=gateway_socket,
