@@ -74,6 +74,7 @@ def test_a_state_folder_of_another_user_is_one_line_at_start_and_no_task_is_take
     assert status(env, "waits")["state"] == "finished_verified"
     made = [mine, *(p for p in mine.rglob("*") if p.is_dir() and not p.is_symlink())]
     assert any(p.name == "waits" and p.parent.parent.name == "task-logs" for p in made)
+    assert any(p.name == "waits" and p.parent.parent.name == "prompts" for p in made)
     loose = [f"{p} {stat.filemode(p.stat().st_mode)}" for p in made if p.stat().st_mode & 0o002]
     assert loose == []
 

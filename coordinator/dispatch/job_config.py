@@ -3,8 +3,6 @@ and the envelope charge of each call."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import redis
@@ -13,12 +11,11 @@ from overnight.config.settings import gateway_base
 from overnight.coordinator.dispatch.gateway_probe import gateway_wanted
 from overnight.coordinator.report.logs import task_log_root
 from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig
+from overnight.coordinator.workspace.hostdirs import prompt_root
 from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
-
-_TMP = tempfile.gettempdir()  # probed once here, not in every work horse
 
 
 def model_env(settings: Settings) -> dict[str, str]:
@@ -44,7 +41,7 @@ def loop_config(settings: Settings, namespace: str) -> LoopConfig:
         grace=settings.grace,
         claim_ttl=settings.task_claim_ttl,
         max_lost_leases=settings.max_lost_leases,
-        prompt_dir=Path(_TMP) / "overnight" / namespace,
+        prompt_dir=prompt_root(settings, namespace),
         log_dir=task_log_root(settings, namespace),
     )
 
