@@ -1,3 +1,4 @@
-"""The call envelope: one budget of calls and tokens shared by every worker, and the guards that
-spend it.
+"""The call envelope: one budget of calls and tokens shared by every worker (``envelope``), its
+state and replies (``state``), its refusals (``refusals``), and the guards that spend it
+(``guards``).
 """

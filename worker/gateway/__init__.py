@@ -1,1 +1,3 @@
-"""The metering model proxy: wire formats, per-lease grants, Redis metering and the HTTP server."""
+"""The metering model proxy: wire formats (``wire``) and the usage they report (``usage``),
+per-lease grants (``grant``), Redis metering (``meter``), one metered request (``call``), the
+HTTP edges (``httpio``) and the server (``server``)."""
