@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,16 @@ from overnight.config.keys import Keys
 from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig, TaskLoop
 from overnight.coordinator.tasks.steps import plain_runner
 from overnight.coordinator.tasks.store import Runner, TaskStore
-from overnight.coordinator.tasks.taskfile import Rule, TaskFileError, TaskSpec, load
+from overnight.coordinator.tasks.taskfile import (
+    Rule,
+    TaskFileError,
+    TaskSpec,
+    command_problems,
+    load,
+)
 from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.redisio import receipts
+from overnight.worker.sandbox.stepuser import StepUser
 from tests.helpers import wait_for
 from tests.repos import sh
 
@@ -290,3 +299,40 @@ def test_a_step_whose_worker_died_before_it_started_runs_again_charged_once(
     done = store.get(rec.id)
     assert done is not None and done.state == "finished_verified", done and done.detail
     assert done.calls_used == 2 and spent(envelope_) == (1, 1)  # the agent step charged once
+
+
+def test_submit_looks_the_agent_up_as_the_step_user(tmp_path: Path, step_user: StepUser) -> None:
+    # pytest's own tmp folders are 0700: a folder of the test's own that others can enter.
+    top = Path(tempfile.mkdtemp(prefix="overnight-lookup-"))
+    top.chmod(0o755)
+    try:
+        _look_up_as(top, tmp_path, step_user)
+    finally:
+        shutil.rmtree(top)
+
+
+def _look_up_as(top: Path, tmp_path: Path, step_user: StepUser) -> None:
+    for mode, refused in ((0o700, True), (0o755, False)):
+        bin_dir = top / f"bin-{mode:o}"
+        bin_dir.mkdir()
+        bin_dir.chmod(mode)
+        tool = bin_dir / "my-agent"
+        tool.write_text("#!/bin/sh\nexit 0\n")
+        tool.chmod(0o755)
+        task = spec(tmp_path, ["my-agent"], ["true"])
+        task = task.model_copy(update={"env": {"PATH": str(bin_dir)}})
+        got = command_problems(task, "/usr/bin:/bin", step_user)
+        if refused:  # root finds it; the step user cannot enter the folder
+            [(key, line)] = got
+            assert key == "agent" and f"cannot enter {bin_dir}" in line, line
+            assert line.startswith(f"command 'my-agent' not found where {tool} is found but")
+            # A later PATH entry the step user can use is taken, as execvp would.
+            shadow = bin_dir / "sh"
+            shadow.write_text("#!/bin/sh\nexit 0\n")
+            shadow.chmod(0o755)
+            env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+            later = spec(tmp_path, ["sh", "-c", "true"], ["true"]).model_copy(update={"env": env})
+            assert command_problems(later, "", step_user) == []
+            assert command_problems(task, "/usr/bin:/bin", None) == []
+        else:
+            assert got == []

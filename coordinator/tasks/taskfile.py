@@ -21,7 +21,9 @@ from overnight.config.errors import OvernightError
 from overnight.coordinator import agents
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base
+from overnight.worker.sandbox import stepuser
 from overnight.worker.sandbox.stepenv import DEFAULT_PATH, declared_problem
+from overnight.worker.sandbox.stepuser import StepUser
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 ENVELOPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -291,7 +293,7 @@ def load(
             raise TaskFileError([f"{label}: id: {why}"])
     update = {"workdir": str(workdir), "workspace": got.base.mode, "base": got.base}
     loaded = spec.model_copy(update=update)
-    missing = command_problems(loaded, os.environ.get("PATH", ""))
+    missing = command_problems(loaded, os.environ.get("PATH", ""), _step_user())
     if missing:
         raise TaskFileError([f"{label}: {key}: {text}" for key, text in missing])
     if got.warning and warn is not None:
@@ -314,18 +316,47 @@ def _lookup_path(path: str, cwd: str) -> str:
     )
 
 
-def command_problems(spec: TaskSpec, worker_path: str) -> list[tuple[str, str]]:
+def _step_user() -> StepUser | None:
+    """Who the steps run as, by this process's settings (None: as this user, or a setting
+    that cannot be honoured, which the worker reports itself)."""
+    try:
+        return stepuser.configured()
+    except Exception:
+        return None
+
+
+def _which_as(cmd: str, path: str, user: StepUser | None) -> tuple[str | None, str | None]:
+    """Where ``cmd`` is found on ``path`` as ``user`` runs it (as execvp does, an entry the
+    user cannot use is passed over), and why the first one passed over could not be used."""
+    passed = None
+    for entry in path.split(os.pathsep):
+        found = os.path.join(entry or ".", cmd)
+        if not (os.path.isfile(found) and os.access(found, os.X_OK)):
+            continue
+        problem = stepuser.run_problem(found, user) if user is not None else None
+        if problem is None:
+            return found, None
+        passed = passed or f"{found} is found but {problem}"
+    return None, passed
+
+
+def command_problems(
+    spec: TaskSpec, worker_path: str, user: StepUser | None = None
+) -> list[tuple[str, str]]:
     """The agent and rule commands of a loaded ``spec`` that cannot be found as its steps
-    will look them up (the agent on the task's PATH or ``worker_path``, from its workdir; a
-    rule on ``worker_path`` without relative entries), as (key, problem) pairs. A command in
-    the workdir must be in the commit a worktree checks out."""
+    will look them up (the agent on the task's PATH or ``worker_path``, from its workdir, and
+    run as ``user`` when one is set; a rule on ``worker_path`` without relative entries), as
+    (key, problem) pairs. A command in the workdir must be in the commit a worktree checks
+    out."""
     out: list[tuple[str, str]] = []
     base = spec.base
     if isinstance(spec.agent, list):
         cmd = spec.agent[0]
         path = _lookup_path(spec.env.get("PATH") or worker_path or DEFAULT_PATH, spec.workdir)
-        if "/" not in cmd and shutil.which(cmd, path=path) is None:
-            out.append(("agent", f"command {cmd!r} not found on PATH ({path})"))
+        found, problem = _which_as(cmd, path, user) if "/" not in cmd else (None, None)
+        if "/" not in cmd and found is None:
+            where = f"where {problem}" if problem else f"on PATH ({path})"
+            out.append(("agent", f"command {cmd!r} not found {where}"))
         elif "/" in cmd and not os.path.isabs(cmd):
             if base is not None and base.mode == workspace.WORKTREE and base.sha is not None:
                 rel = os.path.normpath(os.path.join(base.subdir, cmd)).replace(os.sep, "/")

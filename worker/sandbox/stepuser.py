@@ -123,6 +123,20 @@ def reach_problem(path: str | Path, user: StepUser) -> str | None:
     return None
 
 
+def run_problem(path: str | Path, user: StepUser) -> str | None:
+    """Why ``user`` cannot run the program at ``path`` (reach it and execute it), or None."""
+    problem = reach_problem(path, user)
+    if problem is not None:
+        return problem
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not _allows(info, user, 1):
+        return f"{user.name} cannot execute {path} (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
 def workdir_problem(path: str, user: StepUser) -> str | None:
     """Why ``user`` cannot enter and write ``path`` (one line), or None if it can."""
     target = Path(os.path.abspath(path))
