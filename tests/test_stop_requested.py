@@ -168,7 +168,7 @@ def test_loop_requeues_a_stopped_step_and_reruns_it_uncharged(
     def budget(name: str, kind: str, request_id: str) -> None:
         seen.add(request_id)
 
-    state = TaskLoop(store, stopped_runner, budget, config).run(rec.id, rec.attempt, Runner())
+    state = TaskLoop(store, stopped_runner, budget, config).run(rec.id, rec.attempt, Runner()).label
     assert state == "queued"
     after = store.get(rec.id)
     assert after is not None
@@ -180,7 +180,7 @@ def test_loop_requeues_a_stopped_step_and_reruns_it_uncharged(
     assert step.data["stopped"] is True and step.lease_id == "L"
 
     config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "prompts")
-    state = TaskLoop(store, plain_runner, budget, config).run(rec.id, rec.attempt, Runner())
+    state = TaskLoop(store, plain_runner, budget, config).run(rec.id, rec.attempt, Runner()).label
     assert state == "finished_verified"
     final = store.get(rec.id)
     assert final is not None

@@ -12,13 +12,9 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.tasks.loop import (
-    CallRefused,
-    LoopConfig,
-    ServerClock,
-    TaskLoop,
-    build_prompt,
-)
+from overnight.coordinator.tasks.claim import ServerClock
+from overnight.coordinator.tasks.loop import CallRefused, LoopConfig, TaskLoop
+from overnight.coordinator.tasks.prepare import build_prompt
 from overnight.coordinator.tasks.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.tasks.store import Begun, Memory, Runner, TaskStore
 from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
@@ -63,7 +59,7 @@ def run_task(
     [rec] = store.create([task], queue="q")
     config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "prompts")
     loop = TaskLoop(store, plain_runner, budget or Budget(100), config)
-    return loop.run(rec.id, rec.attempt, Runner(worker="test")), store
+    return loop.run(rec.id, rec.attempt, Runner(worker="test")).label, store
 
 
 def test_success_on_turn_one(r: redis.Redis, namespace: str, tmp_path: Path) -> None:
@@ -150,7 +146,7 @@ def test_refused_claim_runs_nothing(r: redis.Redis, namespace: str, tmp_path: Pa
         return plain_runner(req)
 
     loop = TaskLoop(store, runner, Budget(10), LoopConfig(prompt_dir=tmp_path))
-    assert loop.run(rec.id, 2, Runner()) == "skipped:stale-attempt"
+    assert loop.run(rec.id, 2, Runner()).label == "skipped:stale-attempt"
     assert calls == []
     raw = r.hgetall(Keys(namespace).task(rec.id))
     assert raw["state"] == "queued" and json.loads(raw["spec"])["id"] == rec.id
@@ -196,7 +192,7 @@ def test_one_write_to_begin_a_step_and_one_to_end_it(
     task = spec(tmp_path, agent=["touch", "ok.txt"])
     [rec] = store.create([task], queue="q")
     loop = TaskLoop(store, plain_runner, Budget(10), LoopConfig(prompt_dir=tmp_path))
-    assert loop.run(rec.id, rec.attempt, Runner()) == "finished_verified"
+    assert loop.run(rec.id, rec.attempt, Runner()).label == "finished_verified"
     assert store.calls == ["begin", "save", "begin", "save"]  # the agent, then one rule
 
 

@@ -272,7 +272,7 @@ def test_two_tasks_on_one_repository_work_apart(
         config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "p", state_dir=state, step_user=None)
         barrier.wait(10)
         loop = TaskLoop(store, plain_runner, lambda *_: None, config)
-        results[rec.id] = loop.run(rec.id, 1, Runner(worker=f"w-{rec.id}"))
+        results[rec.id] = loop.run(rec.id, 1, Runner(worker=f"w-{rec.id}")).label
 
     threads = [threading.Thread(target=work, args=(rec,)) for rec in records]
     for t in threads:
@@ -344,7 +344,9 @@ def test_an_agent_tree_that_outlived_its_lease_is_not_verified(
         return dataclasses.replace(out, survivors=1 if req.name == "agent" else 0)
 
     config = LoopConfig(claim_ttl=5, prompt_dir=tmp_path / "p", state_dir=state, step_user=None)
-    state_now = TaskLoop(store, runner, lambda *_: None, config).run(rec.id, 1, Runner(worker="t"))
+    state_now = (
+        TaskLoop(store, runner, lambda *_: None, config).run(rec.id, 1, Runner(worker="t")).label
+    )
     got = store.get(rec.id)
     assert got is not None and state_now == "paused_for_reconciliation" == got.state
     assert "outlived its lease" in got.detail and ran == ["agent"]

@@ -24,7 +24,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.dispatch.job_config import envelope_consume, loop_config
 from overnight.coordinator.dispatch.recovery import recover
 from overnight.coordinator.tasks.loop import TaskLoop
-from overnight.coordinator.tasks.states import QUEUED
+from overnight.coordinator.tasks.states import QUEUED, State
 from overnight.coordinator.tasks.steps import (
     StepOutcome,
     StepRequest,
@@ -32,6 +32,7 @@ from overnight.coordinator.tasks.steps import (
     supervised_runner,
 )
 from overnight.coordinator.tasks.store import Runner, TaskCorrupt, TaskStore
+from overnight.coordinator.tasks.turn import Ending, LoopEnd
 from overnight.worker.supervise.procs import hostname
 
 log = logging.getLogger("overnight.dispatch")
@@ -61,14 +62,14 @@ class TaskNotVerified(Exception):
     and detail as the reason, instead of listing it with the verified ones as finished."""
 
 
-def job_failure(task_id: str, state: str, detail: str) -> str | None:
+def job_failure(task_id: str, end: LoopEnd, detail: str) -> str | None:
     """The reason an attempt's RQ job fails, or None if it finished: it did when its task
-    ended finished_verified, or when it ran nothing (``skipped:…``, another attempt owns
-    the task); any other end (halted, paused, expired, aborted, agent_failed, queued
-    again, its claim lost) fails it."""
-    if state == "finished_verified" or state.startswith("skipped:"):
+    ended finished_verified, or when it ran nothing (skipped: another attempt owns the task,
+    or the night had ended); any other end (halted, paused, expired, aborted, agent_failed,
+    queued again, its claim lost) fails it."""
+    if end.how is Ending.SKIPPED or end.state == State.FINISHED_VERIFIED:
         return None
-    return f"task {task_id}: {state}" + (f": {detail}" if detail else "")
+    return f"task {task_id}: {end.label}" + (f": {detail}" if detail else "")
 
 
 class HorseStop:
@@ -142,7 +143,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
         job_id=job.id if job else "",
     )
     try:
-        state = loop.run(task_id, attempt, who)
+        end = loop.run(task_id, attempt, who)
     except JobTimeoutException:
         # RQ's timeout (the task's deadline plus a margin) fired: a step in flight has
         # already been ended through its lease. Hand the task to recovery now, not once
@@ -158,7 +159,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
             for line in lines:
                 log.warning("task %s: RQ job timeout; recovery: %s", task_id, line)
         raise
-    if state == QUEUED.value and HORSE_STOP.signum is not None:
+    if end.state == QUEUED and HORSE_STOP.signum is not None:
         # Stopped: due a recovery check now, so the next worker to start (or the recovery
         # lead) enqueues it again at once instead of after the queued grace.
         with contextlib.suppress(redis.RedisError):
@@ -166,14 +167,14 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
             store.queued_checked([task_id], store.now() - store.queued_grace)
     reason = job_failure(
         task_id,
-        state,
+        end,
         _detail(loop.store, task_id)
-        if state != "lost"
+        if end.how is not Ending.LOST
         else "its claim was lost; recovery decides what it becomes",
     )
     if reason is not None:
         raise TaskNotVerified(reason)
-    return state
+    return end.label
 
 
 def _detail(store: TaskStore, task_id: str) -> str:
