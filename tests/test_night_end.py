@@ -105,3 +105,25 @@ def test_up_exit_when_done_says_a_task_needs_a_person(tmp_path: Path, env: dict[
     assert "1 task needs a person: never (halted_at_call_ceiling); exit 5" in proc.stderr
     fine = next(ln for ln in proc.stdout.splitlines() if ln.startswith("fine "))
     assert "finished_verified" in fine
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_says_at_once_that_its_tasks_have_no_budget(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    tasks = tmp_path / "tasks"
+    task_file(tasks, "would-halt", ["sh", "-c", "touch ok.txt"], [["test", "-f", "ok.txt"]])
+    argv = [OVERNIGHT, "coordinator", "--once", "--tasks", str(tasks)]
+    argv += ["--state-dir", str(tmp_path / "state")]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr  # a service is told, not refused
+    assert "no call budget: envelope 'default' does not exist" in proc.stderr, proc.stderr
+    # The twin: with OVERNIGHT_BUDGET the envelope is made first; nothing is said.
+    other = {
+        **env,
+        "OVERNIGHT_NAMESPACE": env["OVERNIGHT_NAMESPACE"] + "-b",
+        "OVERNIGHT_BUDGET": "5",
+    }
+    proc = subprocess.run(argv, env=other, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "no call budget" not in proc.stderr and "would-halt" in proc.stderr

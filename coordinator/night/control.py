@@ -231,6 +231,11 @@ def run_coordinator(
         log.info("namespace=%s task %s enqueued on %s", keys.namespace, rec.id, rec.queue)
     for task_id in submitted.known:
         log.info("namespace=%s task %s already known; not enqueued again", keys.namespace, task_id)
+    missing = missing_envelopes(client, keys, {rec.spec.envelope for rec in submitted.records})
+    if missing:  # a service is not refused (it would be restarted); said at once instead
+        from overnight.coordinator.night.ending import no_budget
+
+        log.warning("namespace=%s %s", keys.namespace, no_budget(missing))
     store = TaskStore(client, keys)
     # The night's tasks: those of its folders, and any other that changed while it ran.
     mine = {rec.id for rec in submitted.records} | set(submitted.known)
