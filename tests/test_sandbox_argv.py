@@ -72,6 +72,13 @@ def test_the_uid_is_taken_before_bwrap(more: dict[str, object], head: list[str])
     assert argv[: len(head)] == head
 
 
+@pytest.mark.parametrize(("unprivileged", "own_userns"), [(True, True), (False, False)])
+def test_no_nested_user_namespace_when_unprivileged(unprivileged: bool, own_userns: bool) -> None:
+    argv = launch_argv(spec(unprivileged=unprivileged))
+    assert ("--disable-userns" in argv) is own_userns
+    assert ("--unshare-user" in argv) is own_userns
+
+
 @pytest.mark.parametrize(
     ("network", "unshared"),
     [("none", True), ("host", False)],

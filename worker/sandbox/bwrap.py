@@ -52,7 +52,8 @@ class SandboxSpec:
     ``top`` maps each entry of ``/`` that exists on this host among :data:`SYSTEM_TOP` to its
     link target (None: a real folder). ``switch_uid`` says the launcher runs as root and the
     step as ``uid``/``gid`` (with ``groups``): bwrap is started through ``setpriv`` as that
-    uid. ``passwd_fd``/``group_fd`` hold the generated files. ``bridge`` is the argv prefix
+    uid. ``unprivileged``: bwrap runs as a uid other than 0 (always, with ``switch_uid``).
+    ``passwd_fd``/``group_fd`` hold the generated files. ``bridge`` is the argv prefix
     of the network bridge (its program and arguments up to the step's own argv), set when
     ``gateway_socket`` and ``gateway_port`` are.
     """
@@ -67,6 +68,7 @@ class SandboxSpec:
     group_fd: int
     top: Mapping[str, str | None]
     switch_uid: bool = False
+    unprivileged: bool = False  # bwrap runs as a uid other than 0 (through a user namespace)
     groups: tuple[int, ...] = ()
     writable: tuple[str, ...] = ()
     readable: tuple[str, ...] = ()
@@ -140,6 +142,8 @@ def launch_argv(spec: SandboxSpec) -> list[str]:
         argv += [f"--groups={groups}"] if groups else ["--clear-groups"]
         argv.append("--")
     argv += [spec.bwrap, "--die-with-parent", "--new-session"]
+    if spec.unprivileged:  # no user namespace of its own for the step: less kernel to reach
+        argv += ["--unshare-user", "--disable-userns"]
     argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if spec.network != "host":
         argv.append("--unshare-net")

@@ -214,6 +214,7 @@ def prepare(
             group_fd=fds[1],
             top=root_entries(),
             switch_uid=os.geteuid() == 0 and user is not None,
+            unprivileged=uid != 0,
             groups=groups,
             writable=tuple(writable),
             readable=_reachable([*own_code(), *readable], user),
