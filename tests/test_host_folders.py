@@ -99,3 +99,37 @@ def test_up_names_the_folder_it_cannot_use_before_it_starts_anything(
         "set OVERNIGHT_STATE_DIR to a folder of your own instead\n"
     )
     assert not (tmp_path / "night").exists()  # nothing started: no lock, no Redis, no log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_night_under_a_umask_of_000_leaves_no_folder_open_to_all(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    quiet = {
+        k: v for k, v in env.items() if k not in ("OVERNIGHT_REDIS_URL", "OVERNIGHT_NAMESPACE")
+    }
+    quiet["OVERNIGHT_STATE_DIR"] = str(tmp_path / "workspace")
+    tasks = tmp_path / "tasks"
+    task_file(tasks, "one", ["sh", "-c", "echo hi > ok.txt"], [["test", "-f", "ok.txt"]])
+    night = tmp_path / "night"
+    args = ["up", "--tasks", str(tasks), "--budget", "4", "--exit-when-done"]
+    proc = subprocess.run(
+        [OVERNIGHT, *args, "--state-dir", str(night)],
+        env=quiet,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        preexec_fn=lambda: os.umask(0),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = [
+        p
+        for root in (night, tmp_path / "workspace")
+        for p in [root, *root.rglob("*")]
+        if p.is_dir() and not p.is_symlink()
+    ]
+    assert night / "redis" in made and night / "logs" in made  # the night really ran here
+    assert any(p.name == "one" and p.parent.parent.name == "task-logs" for p in made)
+    loose = [f"{p} {stat.filemode(p.stat().st_mode)}" for p in made if p.stat().st_mode & 0o002]
+    assert loose == []

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from overnight.config.errors import OvernightError
+from overnight.config.folders import make_folders
 from overnight.worker.supervise.procs import set_pdeathsig
 
 
@@ -112,7 +113,7 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the server and wait until it answers PING."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_folders(self.data_dir, 0o700)
         self.data_dir.chmod(0o700)
         self.proc = subprocess.Popen(
             self.command(),

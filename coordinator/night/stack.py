@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.config import defaults
+from overnight.config.folders import make_folders
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from overnight.worker.supervise import procs
 from overnight.worker.supervise.procs import Proc
@@ -82,7 +83,7 @@ class Stack:
         env = self.member_env.get(name, {}) if env is None else env  # a restart: as before
         self.member_env[name] = env
         logs = self.state_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        make_folders(logs, 0o700)
         with open(logs / f"{name}.log", "ab") as out:
             proc = subprocess.Popen(
                 argv,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from overnight.config.folders import make_folders
 from overnight.config.keys import Keys
 from overnight.config.spawn import overnight_argv
 from overnight.coordinator.night.ending import (
@@ -123,7 +124,7 @@ def stop_workers(stack: Stack, grace: float) -> None:
 
 
 def _lock_state_dir(state_dir: Path) -> TextIO:
-    state_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(state_dir, 0o700)  # its own mode whatever the umask: never open to all
     fh = open(state_dir / "up.lock", "a+")  # noqa: SIM115 - held for the life of `up`
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
