@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     )
 
     redis_url: str = defaults.REDIS_URL
+    # `up`, `worker` and `coordinator` refuse a Redis that answers without a password (exit
+    # 78) unless this accepts it; then they say so at start and the report says so too.
+    allow_passwordless_redis: bool = False
     namespace: str = defaults.NAMESPACE
     queue: str = "overnight"
     heartbeat_gap: float = Field(defaults.HEARTBEAT_GAP, gt=0)

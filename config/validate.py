@@ -257,6 +257,7 @@ def stop_at(value: object) -> str | None:
 # Every setting: field name -> its rule (a test keeps this in step with Settings' fields).
 RULES: dict[str, Callable[[object], object]] = {
     "redis_url": redis_url,
+    "allow_passwordless_redis": flag,
     "namespace": name,
     "queue": name,
     "heartbeat_gap": positive,

@@ -78,10 +78,16 @@ def step_user() -> StepUser:
 
 @pytest.fixture
 def redis_factory(tmp_path: Path) -> Iterator[Callable[..., EmbeddedRedis]]:
-    """Start extra private servers (for tests that kill or restart Redis); all stopped after."""
+    """Start extra private servers (for tests that kill or restart Redis); all stopped after.
+    Each requires a fresh password (in its ``url``), as the session's does, unless the test
+    names its own (``password=``, or ``--requirepass`` in ``extra_args``) or asks for none
+    (``password=None``: a Redis anyone gets into)."""
     started: list[EmbeddedRedis] = []
 
     def make(**kwargs: object) -> EmbeddedRedis:
+        extra = kwargs.get("extra_args") or []
+        if "password" not in kwargs and "--requirepass" not in extra:  # type: ignore[operator]
+            kwargs["password"] = uuid.uuid4().hex
         server = EmbeddedRedis(tmp_path / f"redis-{len(started)}", **kwargs)  # type: ignore[arg-type]
         server.start()
         started.append(server)

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,21 @@ from tests.helpers import OVERNIGHT, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
-_VAR = re.compile(r"\$\{(?P<name>[A-Z0-9_]+)(?::-(?P<default>[^}]*))?\}")
+_VAR = re.compile(r"\$\{(?P<name>[A-Z0-9_]+)(?::(?P<op>[-?])(?P<default>[^}]*))?\}")
+# Not a setting: the password compose gives its Redis (OVERNIGHT_REDIS_URL carries it too).
+COMPOSE_ONLY = {"REDIS_PASSWORD"}
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose's ``${NAME:-default}`` substitution, for the forms this file uses."""
-    return _VAR.sub(lambda m: env.get(m["name"]) or (m["default"] or ""), value)
+    """Compose's ``${NAME:-default}`` and ``${NAME:?error}`` substitution, for the forms this
+    file uses (``:?`` with NAME unset or empty is compose's error: ``KeyError`` here)."""
+
+    def one(m: re.Match[str]) -> str:
+        if m["op"] == "?" and not env.get(m["name"]):
+            raise KeyError(f"{m['name']}: {m['default']}")
+        return env.get(m["name"]) or (m["default"] or "")
+
+    return _VAR.sub(one, value)
 
 
 def load() -> dict[str, Any]:
@@ -64,6 +74,12 @@ def test_services_have_the_promised_shape() -> None:
     redis = services["redis"]
     assert redis["image"].startswith("redis:")
     assert "--appendonly" in redis["command"] and "yes" in redis["command"]
+    # A password from .env, required: compose refuses to start without one.
+    assert "--requirepass" in redis["command"]
+    password = redis["command"][redis["command"].index("--requirepass") + 1]
+    assert password.startswith("${REDIS_PASSWORD:?")
+    with pytest.raises(KeyError, match="REDIS_PASSWORD"):
+        interpolate(password, {"REDIS_PASSWORD": ""})
     assert "healthcheck" in redis
     assert services["worker"]["deploy"]["replicas"] == 3
     for name in ("coordinator", "worker"):
@@ -88,7 +104,7 @@ def test_every_overnight_variable_is_a_real_setting() -> None:
     example = (ROOT / ".env.example").read_text()
     for line in example.splitlines():
         if line and not line.startswith("#"):
-            assert line.split("=", 1)[0] in known, line
+            assert line.split("=", 1)[0] in known | COMPOSE_ONLY, line
 
 
 def test_compose_environment_is_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,10 +112,20 @@ def test_compose_environment_is_valid_settings(monkeypatch: pytest.MonkeyPatch) 
         if key.startswith("OVERNIGHT_") or key == "MODEL_URL":
             monkeypatch.delenv(key)
     env = load()["services"]["worker"]["environment"]
-    values = {k: interpolate(str(v), {}) for k, v in env.items()}
+    with pytest.raises(KeyError, match="OVERNIGHT_REDIS_URL"):  # compose needs it from .env
+        interpolate(str(env["OVERNIGHT_REDIS_URL"]), {})
+    dotenv = {"OVERNIGHT_REDIS_URL": "redis://:pw@redis:6379/0"}
+    values = {k: interpolate(str(v), dotenv) for k, v in env.items()}
     settings = Settings(**{k.removeprefix("OVERNIGHT_").lower(): v for k, v in values.items() if v})
-    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.redis_url == "redis://:pw@redis:6379/0"
     assert settings.budget == 40
+    example = dict(
+        line.split("=", 1)
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert example["REDIS_PASSWORD"] == ""  # the user makes one: compose refuses an empty one
+    assert example["OVERNIGHT_REDIS_URL"].startswith("redis://:PASSWORD@")
 
 
 def service_argv(command: list[str], tasks: Path) -> list[str]:
@@ -129,8 +155,10 @@ def test_compose_topology_runs_the_example_tasks(
     port = free_port()
     namespace = f"compose-{os.getpid()}"
     # What a user's .env would say: the Redis address on this machine and a small budget.
+    password = uuid.uuid4().hex
     dotenv = {
-        "OVERNIGHT_REDIS_URL": f"redis://127.0.0.1:{port}/0",
+        "REDIS_PASSWORD": password,
+        "OVERNIGHT_REDIS_URL": f"redis://:{password}@127.0.0.1:{port}/0",
         "OVERNIGHT_NAMESPACE": namespace,
         "OVERNIGHT_BUDGET": "16",
     }
@@ -145,11 +173,11 @@ def test_compose_topology_runs_the_example_tasks(
                 subprocess.Popen(argv, env=env, cwd=tasks, stdout=out, stderr=subprocess.STDOUT)
             )
 
-    redis_cmd = list(services["redis"]["command"])
+    redis_cmd = [interpolate(str(a), dotenv) for a in services["redis"]["command"]]
     redis_cmd += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
     start("redis", redis_cmd, base)
     try:
-        client = redis.Redis(port=port, decode_responses=True)
+        client = redis.Redis(port=port, password=password, decode_responses=True)
         wait_for(lambda: _pings(client), timeout=10)
         for name in ("coordinator", "worker"):
             svc = services[name]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,10 @@ def tls_server(tmp_path: Path) -> Any:
     )
     port = free_port()
     # The plain port stays on 127.0.0.1 for EmbeddedRedis's readiness check only.
+    password = uuid.uuid4().hex
     server = EmbeddedRedis(
         tmp_path / "tls-redis",
+        password=password,
         extra_args=[
             "--tls-port",
             str(port),
@@ -105,22 +108,22 @@ def tls_server(tmp_path: Path) -> Any:
         ],
     )
     server.start()
-    yield port, cert
+    yield port, cert, password
     server.stop(kill=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_everything_runs_over_tls(
-    env: dict[str, str], tmp_path: Path, tls_server: tuple[int, Path]
+    env: dict[str, str], tmp_path: Path, tls_server: tuple[int, Path, str]
 ) -> None:
-    port, cert = tls_server
-    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
+    port, cert, password = tls_server
+    url = f"rediss://:{password}@127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
     tenv = {**env, "OVERNIGHT_REDIS_URL": url, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"]}
     assert redis.Redis.from_url(url).ping()
     exercise(tenv, tmp_path, "tls-task")
     # Without the CA the certificate is not trusted: one line, Redis unreachable.
-    untrusted = {**tenv, "OVERNIGHT_REDIS_URL": f"rediss://127.0.0.1:{port}/0"}
+    untrusted = {**tenv, "OVERNIGHT_REDIS_URL": f"rediss://:{password}@127.0.0.1:{port}/0"}
     proc = run(untrusted, "envelope", "status")
     assert proc.returncode == 69 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

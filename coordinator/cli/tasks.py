@@ -161,7 +161,7 @@ def worker_command(
 
     import redis
 
-    from overnight.config.connection import describe
+    from overnight.config.connection import describe, require_password
     from overnight.config.context import rq_connection, settings
     from overnight.config.settings import NAME_RE
     from overnight.coordinator.dispatch.gateway_watch import GatewayWatch
@@ -193,6 +193,7 @@ def worker_command(
         patience=STARTUP_WAIT,
         cap=2.0,
     )
+    require_password(conn, settings(), "overnight worker")
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None
@@ -450,6 +451,7 @@ def report_command(plain: bool, html_file: Path | None) -> None:
     from overnight.coordinator.report.view import (
         envelope_lines,
         ledger_lines,
+        redis_notices,
         render_plain,
         render_rich,
     )
@@ -464,6 +466,7 @@ def report_command(plain: bool, html_file: Path | None) -> None:
     records = store.all()
     footer = envelope_lines(redis_client(), settings().namespace, records)
     footer += ledger_lines(redis_client(), settings().namespace)
+    footer += redis_notices(redis_client())
     if plain or not sys.stdout.isatty():
         render_plain(records, sys.stdout, footer)
     else:

@@ -193,7 +193,7 @@ def run_coordinator(
     import sys
     import threading
 
-    from overnight.config.connection import connect
+    from overnight.config.connection import connect, require_password
     from overnight.config.context import settings as current
     from overnight.coordinator.night.ending import Night
     from overnight.coordinator.tasks.states import SETTLED
@@ -211,6 +211,7 @@ def run_coordinator(
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
     client.ping()
+    require_password(client, settings, "overnight coordinator")
     keys = Keys(settings.namespace)
     night = Night(None if once else configured(), settings, client, keys, state_dir)
     if settings.metrics_port is not None:

@@ -279,7 +279,7 @@ def _run(
     out: TextIO,
     where: str,
 ) -> UpResult:
-    from overnight.config.connection import describe
+    from overnight.config.connection import describe, require_password
     from overnight.coordinator.dispatch.gateway_probe import gateway_answers, gateway_wanted
     from overnight.coordinator.night.control import ensure_envelope, submit_folders
     from overnight.coordinator.report.view import envelope_lines, render_plain
@@ -288,6 +288,7 @@ def _run(
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
     client.ping()
+    require_password(client, settings, "overnight up")
     keys = Keys(settings.namespace)
     lock = _claim_instance(
         client, keys, f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

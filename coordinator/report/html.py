@@ -278,6 +278,10 @@ def _header(report: Report) -> str:
         f"{clock(report.end)} · wall time <b>{duration(report.wall_sec)}</b> · "
         f"generated {clock(report.generated)}</p>"
     )
+    if report.notices:
+        out.append('<section id="notices"><h2>Ran without</h2><ul>')
+        out.extend(f"<li>{esc(line)}</li>" for line in report.notices)
+        out.append("</ul></section>")
     if report.attention:
         out.append('<section id="attention"><h2>Needs you</h2><ul>')
         for a in report.attention:
@@ -425,6 +429,7 @@ body{font:14px/1.4 system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;col
 background:#fafbfc}
 h1{margin:0;font-size:22px}h2{font-size:16px;margin:18px 0 8px}.sub{color:#555;margin:4px 0}
 #attention{background:#fdecef;border:1px solid #e8a1b1;border-radius:6px;padding:4px 14px}
+#notices{background:#fff4d6;border:1px solid #e0b84a;border-radius:6px;padding:4px 14px}
 #attention.calm{background:#eaf6ee;border-color:#a7d7b6}#attention ul{margin:4px 0 8px}
 .what{font-size:12px;background:#c2185b;color:#fff;border-radius:3px;padding:0 5px}
 .chip{display:inline-block;border:2px solid #999;border-radius:12px;padding:1px 10px;

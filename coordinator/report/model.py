@@ -176,6 +176,8 @@ class Report:
     cards: tuple[Card, ...]
     concurrency: tuple[tuple[float, int], ...]
     workers: tuple[str, ...] = field(default=())
+    # What the night ran without that it should have had (a Redis with no password).
+    notices: tuple[str, ...] = field(default=())
 
     @property
     def wall_sec(self) -> float:
@@ -197,10 +199,12 @@ def build(
     *,
     namespace: str = "",
     diffs: Mapping[str, str] | None = None,
+    notices: Iterable[str] = (),
 ) -> Report:
     """The report of ``records`` as ``receipts`` tell it, with each envelope's state
     (``CallEnvelope.snapshot().model_dump()`` by name) at ``now``. ``diffs`` maps a task id to
-    its branch's diff against its base, when the caller could compute it."""
+    its branch's diff against its base, when the caller could compute it; ``notices`` are
+    lines the page shows first (what the night ran without that it should have had)."""
     recs = sorted(records, key=lambda r: (r.submitted_unix, r.id))
     ids = {r.id for r in recs}
     rcs = [rc for rc in receipts if rc.task_id is None or rc.task_id in ids]
@@ -234,6 +238,7 @@ def build(
         cards=cards,
         concurrency=concurrency(bars),
         workers=tuple(workers),
+        notices=tuple(notices),
     )
 
 

@@ -291,7 +291,27 @@ def gather(client: Any, namespace: str, now: float | None = None) -> Report:
         server_time(client) if now is None else now,
         namespace=namespace,
         diffs=task_diffs(records),
+        notices=redis_notices(client),
     )
+
+
+def redis_notices(client: Any) -> list[str]:
+    """The report's line for a Redis that anyone gets into (accepted by the setting, or the
+    night would not have run), or none."""
+    from redis.exceptions import RedisError
+
+    from overnight.config.connection import ALLOW_VAR, anyone_gets_in
+
+    try:
+        open_door = anyone_gets_in(client)
+    except (RedisError, OSError):
+        return []  # what the report shows was read from it just now: say only what is known
+    if not open_door:
+        return []
+    return [
+        f"Redis without a password ({ALLOW_VAR}=1 accepted it): any process on the host, "
+        "a step too, could have rewritten budgets, leases and tasks"
+    ]
 
 
 def task_diffs(records: list[TaskRecord]) -> dict[str, str]:
