@@ -16,9 +16,7 @@ from tests.helpers import wait_for
 def worker(env: dict[str, str]) -> object:
     from rq import Worker
 
-    from overnight.config.context import rq_connection
-
-    w = Worker(["listener-test"], connection=rq_connection())
+    w = Worker(["listener-test"], connection=redis.Redis.from_url(env["OVERNIGHT_REDIS_URL"]))
     w.subscribe()
     yield w
     if w.pubsub_thread is not None and w.pubsub_thread.is_alive():
