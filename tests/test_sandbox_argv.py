@@ -110,6 +110,11 @@ def test_worktree_and_extra_paths() -> None:
     assert tail(argv) == ["agent", "--go"]
 
 
+def test_read_only_binds_come_after_the_writable_ones() -> None:
+    argv = launch_argv(spec(readable=("/state/wt/t1/.git",), writable=("/cache",)))
+    assert argv.index("/state/wt/t1/.git") > argv.index("/cache") > argv.index("/state/wt/t1")
+
+
 def test_private_tmp_and_home_with_generated_identity() -> None:
     argv = launch_argv(spec(home_files=(HomeFile(".codex/config.toml", 7), HomeFile("a.txt", 8))))
     tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]

@@ -81,6 +81,7 @@ class SandboxSpec:
     bwrap: str = "bwrap"
     setpriv: str = "setpriv"
     hostname: str = "overnight-sandbox"
+    tmpfs_size: int = 0  # bytes each private tmpfs (tmp folders, HOME) may hold; 0: no cap
     extra: tuple[str, ...] = field(default=())  # more bwrap options, placed before the argv
 
 
@@ -159,20 +160,22 @@ def launch_argv(spec: SandboxSpec) -> list[str]:
     argv += ["--ro-bind-data", str(spec.passwd_fd), "/etc/passwd"]
     argv += ["--ro-bind-data", str(spec.group_fd), "/etc/group"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
+    size = ["--size", str(spec.tmpfs_size)] if spec.tmpfs_size else []
     for path in TMPFS_PRIVATE:
-        argv += ["--perms", "1777", "--tmpfs", path]
-    argv += ["--perms", "0700", "--tmpfs", spec.home]
+        argv += ["--perms", "1777", *size, "--tmpfs", path]
+    argv += ["--perms", "0700", *size, "--tmpfs", spec.home]
     for item in spec.home_files:
         for parent in _parents(item.rel):
             argv += ["--perms", "0700", "--dir", f"{spec.home}/{parent}"]
         argv += ["--perms", "0600", "--file", str(item.fd), f"{spec.home}/{item.rel}"]
+    argv += ["--bind", spec.worktree, spec.worktree]
+    for path in spec.writable:
+        argv += ["--bind", path, path]
+    # Read-only binds last: one inside the worktree stays read-only (bwrap mounts in order).
     for path in spec.readable:
         argv += ["--ro-bind", path, path]
     for path in spec.sockets:
         argv += ["--ro-bind", path, path]
-    argv += ["--bind", spec.worktree, spec.worktree]
-    for path in spec.writable:
-        argv += ["--bind", path, path]
     if spec.network != "host" and spec.gateway_socket is not None:
         argv += ["--ro-bind", spec.gateway_socket, GATEWAY_SOCKET]
     argv += [*spec.extra, "--chdir", spec.cwd, "--"]
