@@ -188,3 +188,30 @@ def test_a_halted_task_reruns_with_a_new_budget_and_keeps_its_commits(
     assert sh(repo, "show", f"{branch}:count.txt") == "x\n"
     assert sh(repo, "merge-base", branch, kept).strip() == base
     assert fresh["calls_used"] == 8 and envelope_spent(wenv) == 8
+
+
+def test_up_and_the_coordinator_take_a_known_task_with_its_branch(
+    wenv: dict[str, str], tmp_path: Path, r: Any
+) -> None:
+    from overnight.config.connection import connect
+    from overnight.config.settings import load_settings
+    from overnight.coordinator.night.control import submit_folders
+
+    repo = make_repo(tmp_path / "repo")
+    path = task_toml(repo, GROW, name="known", id="known", protect=[])
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    path.rename(folder / path.name)
+    (folder / path.name).write_text(
+        (folder / path.name).read_text().replace('"workdir": "repo"', f'"workdir": "{repo}"')
+    )
+    settings = load_settings()
+    rq_conn = connect(settings, decode_responses=False)
+    first = submit_folders(r, rq_conn, settings, [folder])
+    assert first.problems == [] and [rec.id for rec in first.records] == ["known"]
+    sh(repo, "branch", "overnight/known")  # its first step made the branch
+    again = submit_folders(r, rq_conn, settings, [folder])
+    assert again.problems == [] and again.known == ["known"] and again.records == []
+    # The twin: `overnight submit` of the same file is told to rerun it.
+    told = cli(wenv, "submit", str(folder / path.name))
+    assert told.returncode == 64 and "overnight rerun known" in told.stderr

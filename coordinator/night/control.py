@@ -99,12 +99,12 @@ def submit_folders(
 
     files = [f for folder in folders for f in task_files(folder)]
     out = Submitted()
+    store = TaskStore(client, Keys(settings.namespace))
     try:
-        specs = load_all(files)
+        specs = load_all(files, known=lambda task_id: store.get(task_id) is not None)
     except TaskFileError as exc:
         out.problems = exc.problems
         return out
-    store = TaskStore(client, Keys(settings.namespace))
     fresh = []
     for spec in specs:
         if spec.id is not None and store.get(spec.id) is not None:

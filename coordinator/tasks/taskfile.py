@@ -241,12 +241,16 @@ def parse_text(text: str, *, json_format: bool) -> dict[str, Any]:
 
 
 def load(
-    path: Path, state: Path | None = None, warn: Callable[[str], None] | None = None
+    path: Path,
+    state: Path | None = None,
+    warn: Callable[[str], None] | None = None,
+    known: Callable[[str], bool] | None = None,
 ) -> TaskSpec:
     """Load and validate one task file, and resolve its workspace (its base commit, or the
     snapshot of its protected files, kept under ``state``: default, overnight's state
     folder); raises :class:`TaskFileError`. ``warn`` gets the line about a repository's
-    uncommitted changes."""
+    uncommitted changes. An id ``known`` says the namespace holds is not refused for its
+    existing branch (``up`` and the coordinator skip known tasks, or resume them)."""
     label = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -282,7 +286,7 @@ def load(
     if got.problems:
         raise TaskFileError([f"{label}: {key}: {text}" for key, text in got.problems])
     assert got.base is not None
-    if spec.id and got.base.mode == workspace.WORKTREE:
+    if spec.id and got.base.mode == workspace.WORKTREE and not (known and known(spec.id)):
         branch = workspace.branch_name(spec.id)
         if workspace.branch_exists(got.base.root, branch):
             why = (
@@ -373,13 +377,17 @@ def command_problems(
     return out
 
 
-def load_all(paths: list[Path], warn: Callable[[str], None] | None = None) -> list[TaskSpec]:
+def load_all(
+    paths: list[Path],
+    warn: Callable[[str], None] | None = None,
+    known: Callable[[str], bool] | None = None,
+) -> list[TaskSpec]:
     """Validate every file before returning any; duplicate ids within the batch are refused."""
     problems: list[str] = []
     specs: list[tuple[Path, TaskSpec]] = []
     for path in paths:
         try:
-            specs.append((path, load(path, warn=warn)))
+            specs.append((path, load(path, warn=warn, known=known)))
         except TaskFileError as exc:
             problems.extend(exc.problems)
     seen: dict[str, Path] = {}
