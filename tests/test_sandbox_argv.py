@@ -206,3 +206,16 @@ def test_what_may_be_bound_read_write(path: str, problem: str | None) -> None:
     if problem is not None:
         with pytest.raises(ValueError, match="cannot bind read-write"):
             launch_argv(spec(worktree=path))
+
+
+@pytest.mark.parametrize(
+    ("tree", "kept"),
+    [
+        ("/srv/proj", ["/opt/venv", "/srv/projx/pkg"]),
+        ("/srv", ["/opt/venv"]),  # a task on overnight's own repository edits its code
+    ],
+)
+def test_own_code_inside_the_tree_is_the_trees(tree: str, kept: list[str]) -> None:
+    from overnight.worker.sandbox.launch import _outside
+
+    assert _outside(["/opt/venv", "/srv/projx/pkg"], tree) == kept

@@ -108,6 +108,13 @@ def worktree_git(git_dir: str) -> tuple[str, ...]:
     return (os.path.dirname(parent),)
 
 
+def _outside(paths: Sequence[str], tree: str) -> list[str]:
+    # overnight's code inside a task's tree (a task on overnight's own repository) is the
+    # task's to edit: its read-only bind would cover the tree's.
+    root = os.path.realpath(tree)
+    return [p for p in paths if os.path.commonpath([os.path.realpath(p), root]) != root]
+
+
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, 0)
     try:
@@ -173,6 +180,7 @@ def prepare(
     network: bwrap.Network = "none",
     gateway_socket: str | None = None,
     gateway_port: int | None = None,
+    tmpfs_size: int = 0,
 ) -> Prepared:
     """The launch of ``argv`` in its sandbox, as ``user`` (None: this process's user).
     Raises :class:`SandboxUnavailable` without bwrap (or, for a gateway, a system Python)."""
@@ -217,7 +225,7 @@ def prepare(
             unprivileged=uid != 0,
             groups=groups,
             writable=tuple(writable),
-            readable=_reachable([*own_code(), *readable], user),
+            readable=_reachable([*_outside(own_code(), worktree), *readable], user),
             sockets=_reachable(sockets, user),
             home_files=tuple(files),
             network=network,
@@ -226,6 +234,7 @@ def prepare(
             bridge=bridge,
             bwrap=program,
             setpriv=shutil.which("setpriv", path=SYSTEM_PATH) or "setpriv",
+            tmpfs_size=tmpfs_size,
         )
         launch = bwrap.launch_argv(spec)
     except BaseException:
