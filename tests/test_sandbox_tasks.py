@@ -4,9 +4,12 @@ request metered), and its verifier rule runs sandboxed too (bwrap's host name pr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,62 @@ def test_a_worktree_task_in_a_subfolder_is_fixed_and_verified_sandboxed(
     done = run_burst({**tenv, "OVERNIGHT_STATE_DIR": str(tmp_path / "state")}, path, "sub")
     assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-4000:]
     assert done["workspace"] == "worktree" and done["diffstat"], done
+
+
+@pytest.mark.parametrize(("value", "ok"), [("none", True), ("host", True), ("bridge", False)])
+def test_the_network_key(value: str, ok: bool) -> None:
+    from pydantic import ValidationError
+
+    from overnight.coordinator.tasks.taskfile import TaskSpec
+
+    data = {"assignment": "x", "verifier": [{"name": "r", "run": ["true"]}], "network": value}
+    if ok:
+        assert TaskSpec.model_validate(data).network == value
+    else:
+        with pytest.raises(ValidationError):
+            TaskSpec.model_validate(data)
+
+
+PROBE = (
+    "import socket, sys\n"
+    "try:\n"
+    "    s = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5)\n"
+    "    out = 'REACHED ' + s.recv(16).decode()\n"
+    "except OSError as e:\n"
+    "    out = 'REFUSED'\n"
+    "open('out.txt', 'w').write(out)\n"
+)
+
+
+@pytest.mark.parametrize(("network", "seen"), [("none", "REFUSED"), ("host", "REACHED HELLO")])
+def test_network_host_is_the_tasks_explicit_opt_out(
+    tenv: dict[str, str], tmp_path: Path, r: redis.Redis, namespace: str, network: str, seen: str
+) -> None:
+    """A server on the host's loopback: the agent of a task with ``network = "host"`` reaches
+    it (and its log says the step shared the host's network); with the default it cannot."""
+    CallEnvelope(r, "default", namespace).reset(20)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                conn.sendall(b"HELLO")
+                conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        (tmp_path / "net").mkdir()
+        (tmp_path / "net" / "probe.py").write_text(PROBE)
+        agent = [sys.executable, "probe.py", str(port)]
+        rule = ["grep", "-qx", seen, "out.txt"]
+        path = task_file(tmp_path, "net", agent, [rule], workspace="in-place", network=network)
+        done = run_burst(tenv, path, "net")
+    finally:
+        server.close()
+    assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-4000:]
+    assert (tmp_path / "net" / "out.txt").read_text() == seen
+    said = "network = host: the step shares the host's network"
+    logs = [Path(s["log"]).read_text() for s in done["steps"] if s["log"]]
+    assert any(said in text for text in logs) is (network == "host"), logs

@@ -152,6 +152,7 @@ def step_request(
         home_files=home_files,
         on_line=reader,
         worktree=str(tree.path) if tree is not None else None,
+        network=spec.network,
         readable=(str(folder), *(worktree_git(tree.git_dir) if tree else ())),
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from overnight.coordinator.agents import Said
 from overnight.coordinator.tasks.judge import CANNOT_START
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import launch
+from overnight.worker.sandbox.bwrap import Network
 from overnight.worker.sandbox.stepenv import make_home, remove_home, step_environment
 from overnight.worker.sandbox.stepuser import StepUser, configured
 from overnight.worker.supervise.signals import SignalCatcher
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
     from overnight.config.keys import Keys
 
+log = logging.getLogger("overnight.steps")
 TAIL_LINES = 40
 TAIL_BYTES = 4000
 # The most of one step's output its log file keeps; past it, one line says what was dropped.
@@ -63,6 +66,7 @@ class StepRequest:
     # paths it may read besides the system folders (the task's prompt folder).
     worktree: str | None = None
     readable: tuple[str, ...] = ()
+    network: Network = "none"  # "host": the sandbox's network opt-out (the task's key)
     # Sees every output line too (an agent preset reading the CLI's structured output).
     on_line: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
 
@@ -207,7 +211,14 @@ def supervised_runner(
             sandbox=sandboxed,
             worktree=req.worktree,
             readable=req.readable,
+            network=req.network,
         )
+        if sandboxed and req.network == "host":
+            line = (
+                f"overnight: task {req.task_id}: network = host: the step shares the host's network"
+            )
+            log.warning("%s", line)
+            capture(line.encode())
         try:
             with alarm_ends_step(stop_signals) as alarm:
                 result = run_supervised(client, keys, spec, on_output=capture, signals=alarm)

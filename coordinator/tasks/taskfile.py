@@ -93,6 +93,9 @@ class TaskSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV)
     # Where the task works (coordinator.workspace.worktree); unset: "worktree" in a git repository.
     workspace: Literal["worktree", "in-place"] | None = None
+    # In a sandbox (OVERNIGHT_SANDBOX=bwrap), the agent's network: "none" reaches only its
+    # gateway; "host" is the explicit opt-out (the host's network), said in its step's log.
+    network: Literal["none", "host"] = "none"
     # Globs (relative to the repository root) put back from the base before every verifier run.
     protect: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
     # Set at submit from the workdir (never from the file): the base the task works from.
