@@ -16,8 +16,9 @@ import pytest
 from overnight.config.stopat import StopAtError, parse_stop_at, stop_unix
 from overnight.coordinator.report import html as html_report
 from overnight.coordinator.report import notify
+from overnight.coordinator.report.build import build
 from overnight.coordinator.report.metrics import Tally, lease_reason
-from overnight.coordinator.report.model import build, concurrency, ending_class
+from overnight.coordinator.report.model import concurrency, ending_class
 from overnight.coordinator.tasks import stop
 from overnight.coordinator.tasks.record import Checkpoint, InFlight, Memory, TaskRecord, Verdict
 from overnight.coordinator.tasks.states import QUEUED, State, legal

@@ -272,7 +272,7 @@ def gather(client: Any, namespace: str, now: float | None = None) -> Report:
     """The :class:`~overnight.coordinator.report.model.Report` of every task the namespace
     holds, read from Redis (records, receipts, envelopes) and git (each task branch's diff)."""
     from overnight.config.keys import Keys
-    from overnight.coordinator.report.model import build
+    from overnight.coordinator.report.build import build
     from overnight.coordinator.tasks.store import TaskStore, server_time
     from overnight.worker.envelope.envelope import CallEnvelope
     from overnight.worker.redisio import receipts
