@@ -21,3 +21,11 @@ REQUEST_ID_TTL = 86_400
 # How long an ended task's record, its receipts and ended lease documents are kept (a week).
 RETENTION = 604_800
 REAPER_HOST_TTL = 30.0
+# A step's limits (0: none): processes in its tree, memory (bytes, the tree's resident set;
+# each process's data segment), open files per process, CPU seconds per process, and
+# bytes written into its worktree, HOME and tmp folders.
+STEP_PIDS = 512
+STEP_MEMORY = 4 * 1024**3
+STEP_OPEN_FILES = 4096
+STEP_CPU = 3600
+STEP_DISK = 2 * 1024**3

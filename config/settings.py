@@ -91,6 +91,14 @@ class Settings(BaseSettings):
     # Each step in a bubblewrap sandbox of its own ("bwrap"), or only the older containment
     # ("off", said at start); "bwrap" where no sandbox can start is exit 78.
     sandbox: str = defaults.SANDBOX
+    # Each step's limits, 0 for none (a task's `limits` overrides them): processes in its
+    # tree, memory in bytes (4G), open files and CPU seconds per process, bytes written
+    # into its worktree, HOME and tmp. Over one, the tree is killed and the limit named.
+    step_pids: int = Field(defaults.STEP_PIDS, ge=0)
+    step_memory: int = Field(defaults.STEP_MEMORY, ge=0)
+    step_open_files: int = Field(defaults.STEP_OPEN_FILES, ge=0)
+    step_cpu: int = Field(defaults.STEP_CPU, ge=0)
+    step_disk: int = Field(defaults.STEP_DISK, ge=0)
     # This host's id in leases, reaper heartbeats, receipts and proofs (unset: the host name).
     host_id: str | None = None
     # overnight's own folder on this host: task worktrees, verifier checkouts, snapshots

@@ -216,6 +216,24 @@ def flag(value: object) -> bool:
     raise ValueError("must be 1, true, yes, on, 0, false, no or off")
 
 
+SIZE_RE = re.compile(r"^(\d+)\s*([kmgt]?)i?b?$", re.IGNORECASE)
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def size(value: object) -> int:
+    """A number of bytes >= 0, whole or with a binary suffix (``512M``, ``4G``, ``2GiB``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = SIZE_RE.match(value.strip()) if isinstance(value, str) else None
+        if match is None:
+            raise ValueError("must be a number of bytes, or one with K, M, G or T (4G)")
+        number = int(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+    if number < 0:
+        raise ValueError("must be greater than or equal to 0")
+    return number
+
+
 SANDBOX_MODES = ("bwrap", "off")
 
 
@@ -285,6 +303,11 @@ RULES: dict[str, Callable[[object], object]] = {
     "step_user": user_name,
     "allow_root_steps": flag,
     "sandbox": sandbox_mode,
+    "step_pids": whole(0),
+    "step_memory": size,
+    "step_open_files": whole(0),
+    "step_cpu": whole(0),
+    "step_disk": size,
     "host_id": host_id,
     "state_dir": optional(text),
     "stop_at": stop_at,
@@ -305,6 +328,11 @@ class QuickSettings:
     step_user: str | None = None
     allow_root_steps: bool = False
     sandbox: str = defaults.SANDBOX
+    step_pids: int = defaults.STEP_PIDS
+    step_memory: int = defaults.STEP_MEMORY
+    step_open_files: int = defaults.STEP_OPEN_FILES
+    step_cpu: int = defaults.STEP_CPU
+    step_disk: int = defaults.STEP_DISK
 
 
 def read_fast(environ: Mapping[str, str], dotenv: bool | None = None) -> QuickSettings | None:

@@ -33,12 +33,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from overnight.worker.gateway.grant import Seen
 from overnight.worker.lease.store import LeaseCorrupt, LeaseDoc, LeaseRefused, Leases, lapsed_reason
 from overnight.worker.redisio.clients import io_timeout, redis_errors
 from overnight.worker.supervise import outcome
 from overnight.worker.supervise.outcome import Outcome
+
+if TYPE_CHECKING:
+    from overnight.worker.supervise.limitwatch import Guard
 
 log = logging.getLogger("overnight.supervisor")
 
@@ -96,6 +100,7 @@ class Keeper:
         self.gateway: Callable[[], Seen] | None = None
         self.gateway_every = max(0.05, min(1.0, gap / 4))
         self.gateway_at = now
+        self.limits: Guard | None = None  # the step's limits, once its child is watched
 
     @property
     def beat_pending(self) -> bool:
@@ -153,12 +158,17 @@ class Keeper:
             wake = min(wake, self.last_beat + self.renew_interval)
         if self.gateway is not None:
             wake = min(wake, self.gateway_at)
+        if self.limits is not None:
+            wake = min(wake, self.limits.next_check)
         return wake
 
     def tick(self, now: float) -> Outcome | None:
         """Do what is due at ``now``; an outcome if the step must end."""
         if self.beat_while_alive and now >= self.last_beat + self.renew_interval:
             self.beat_pending = True
+        over = self.limits.tick(now) if self.limits is not None else None
+        if over is not None:
+            return over
         if self.gateway is not None and now >= self.gateway_at:
             refused = self._look_at_gateway(now)
             if refused is not None:

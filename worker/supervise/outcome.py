@@ -68,6 +68,12 @@ def call_refused(detail: str) -> Outcome:
     return Outcome("killed", f"call-refused: {line}", EXIT_REFUSED)
 
 
+def over_limit(note: str) -> Outcome:
+    """The step's tree went over one of its limits (``note``: ``over-limit: <words>``, from
+    :func:`worker.sandbox.limits.note`): killed at once, no grace (exit 2)."""
+    return Outcome("killed", note, EXIT_REFUSED, first_signal=signal.SIGKILL)
+
+
 def lost() -> Outcome:
     """The lease cannot be kept (Redis unreachable for the gap, or its record gone)."""
     return Outcome("killed", "lease-lost", EXIT_LEASE_LOST, lost=True)

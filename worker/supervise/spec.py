@@ -16,6 +16,7 @@ from overnight.worker.supervise import tree
 if TYPE_CHECKING:
     from overnight.worker.sandbox.bwrap import Network
     from overnight.worker.sandbox.launch import Prepared
+    from overnight.worker.sandbox.limits import Limits
     from overnight.worker.sandbox.relay import Relay
     from overnight.worker.sandbox.stepuser import StepUser
 
@@ -66,6 +67,8 @@ class StepSpec:
     writable: tuple[str, ...] = ()
     network: Network = "none"
     gateway_socket: str | None = None
+    # Processes, memory, open files, CPU and disk (worker.sandbox.limits); None: the settings'.
+    limits: Limits | None = None
 
 
 @dataclass
@@ -90,7 +93,7 @@ class SupervisedResult:
 
 
 def prepare_sandbox(
-    spec: StepSpec, env: dict[str, str], lease_id: str
+    spec: StepSpec, env: dict[str, str], lease_id: str, tmpfs_size: int = 0
 ) -> tuple[Prepared, Relay | None]:
     """The sandboxed launch of ``spec`` (:mod:`worker.sandbox.launch`) and the per-step relay
     to a TCP-only gateway it needs (None: the gateway's socket is bound in, or no grant)."""
@@ -119,5 +122,6 @@ def prepare_sandbox(
         network=spec.network,
         gateway_socket=socket,
         gateway_port=port,
+        tmpfs_size=tmpfs_size,
     )
     return prepared, step_relay

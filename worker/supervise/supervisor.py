@@ -3,10 +3,8 @@
 The loop waits on everything at once (``select.poll``): the child's pidfd, its output pipes,
 the beat channel's socket, the signal wakeup pipe, and a timer for the next moment the
 lease could lapse, a beat is due or a Redis retry is due. Nothing here polls by sleeping.
-Usable in-process (an RQ work horse) as well as from ``overnight supervise``; signal
-handlers only when asked.
-The parts are the package's other modules (see its docstring).
-"""
+Usable in-process (an RQ work horse) and from ``overnight supervise`` (signal handlers only
+when asked); the parts are the package's other modules (see its docstring)."""
 
 from __future__ import annotations
 
@@ -36,6 +34,7 @@ from overnight.worker.sandbox import cgroup, stepenv, stepuser
 from overnight.worker.supervise import outcome, procs, tree
 from overnight.worker.supervise.child import Child, subreaper
 from overnight.worker.supervise.keeper import Keeper
+from overnight.worker.supervise.limitwatch import Guard
 from overnight.worker.supervise.outcome import Outcome
 from overnight.worker.supervise.signals import FORWARDED, SignalCatcher
 from overnight.worker.supervise.spec import StepSpec, SupervisedResult, prepare_sandbox
@@ -57,14 +56,12 @@ def run_supervised(
     signals: SignalCatcher | None = None,
 ) -> SupervisedResult:
     """Run ``spec.argv`` under a new lease and block until the step and its tree have ended.
-
     ``on_output`` gets every output line of the child (stdout and stderr, bytes, with its
     line ending); None passes output through to this process's stdout/stderr as it comes.
-    ``signals`` is an already installed :class:`SignalCatcher` (the CLI installs one
-    first thing). Raises :class:`~worker.lease.store.LeaseRefused` if ``spec.lease_id`` exists and
-    redis errors if Redis is unreachable before the child starts; after that, every end is
-    a result (contract section 2's table).
-    """
+    ``signals`` is an already installed :class:`SignalCatcher` (the CLI installs one first
+    thing). Raises :class:`~worker.lease.store.LeaseRefused` if ``spec.lease_id`` exists and
+    redis errors if Redis is unreachable before the child starts; after that, every end is a
+    result (contract section 2's table)."""
     own = None
     if signals is None and spec.install_signals:
         own = signals = SignalCatcher.install()
@@ -166,9 +163,11 @@ class _Run:
                 gateway=self._gateway_env(),
             )
             argv, user, ready = spec.argv, spec.user, None
+            guard = Guard(spec)
             if spec.sandbox:
-                ready, self.relay = prepare_sandbox(self.spec, env, self.lease_id)
+                ready, self.relay = prepare_sandbox(spec, env, self.lease_id, guard.limits.disk)
                 argv, env, user = ready.argv, ready.env, None  # setpriv takes the uid
+            argv = guard.launch(argv, self.home, ready)
             try:
                 self.child = Child(
                     argv,
@@ -198,6 +197,7 @@ class _Run:
             self.group.path if self.group else None,
         )
         self.keeper.attach(self.child.pid, self.child.ticks)
+        self.keeper.limits = guard.attach(self.child.pid, self.child.ticks, self.lease_id)
         leasefile.mirror(self.spec.lease_file, self.keeper.doc, self.watch, host=self.host)
         if spec.lease_file:  # the child may beat by rewriting it (worker.lease.file)
             every, seen = self.keeper.min_interval, self.keeper.doc.public()
