@@ -12,8 +12,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.coordinator.tasks.claim import ServerClock
-from overnight.coordinator.tasks.loop import CallRefused, LoopConfig, TaskLoop
+from overnight.coordinator.tasks.loop import CallRefused, LoopConfig, ServerClock, TaskLoop
 from overnight.coordinator.tasks.prepare import build_prompt
 from overnight.coordinator.tasks.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.tasks.store import Begun, Memory, Runner, TaskStore

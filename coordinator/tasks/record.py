@@ -1,6 +1,6 @@
 """A task as stored: its record, and the loop state checkpointed into it after every step.
 
-The record is written only by the task scripts (through ``coordinator/taskstore.py``);
+The record is written only by the task scripts (through :mod:`coordinator.tasks.store`);
 these are the shapes it is read into and the loop's checkpoint is saved from.
 """
 
@@ -73,6 +73,7 @@ class Memory(BaseModel):
     rule: str
     note: str = ""
     evidence: str = ""
+    stopped: str = ""  # how the turn's agent step was cut short (a limit), in words
 
 
 class InFlight(BaseModel):

@@ -1,6 +1,7 @@
-"""Reads and atomic writes of task records (the shapes are in ``taskrecord``).
+"""Reads and atomic writes of task records (the shapes are in :mod:`record`).
 
-Every write is one Lua script in ``coordinator/lua/task_*.lua``. A running task is held
+Every write is one Lua script in ``coordinator/lua/task_*.lua``, run through
+:class:`~coordinator.tasks.scripts.TaskScripts`. A running task is held
 through a claim key with a TTL that its worker renews; all of the holder's writes carry
 the claim token, so a worker that lost its claim (it stalled, or was declared dead and
 its task recovered) cannot overwrite the task any more. State-change receipts are
@@ -9,13 +10,8 @@ appended by the same script as the change, so the stream never disagrees with th
 
 from __future__ import annotations
 
-import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
-
-from overnight.config import defaults
-from overnight.config.errors import OvernightError
-from overnight.config.keys import Keys
+from typing import Any
 
 # The record's shapes, re-exported: callers that only read tasks import them from here too.
 from overnight.coordinator.tasks.record import (
@@ -31,15 +27,18 @@ from overnight.coordinator.tasks.record import (
     Verdict,
     receipt_body,
 )
-from overnight.coordinator.tasks.states import LIVE, QUEUED, RUNNING, Op, State, lua_prelude
+from overnight.coordinator.tasks.scripts import (
+    Begun,
+    Reason,
+    TaskIdTaken,
+    TaskRefused,
+    TaskScripts,
+    checked,
+    server_time,
+)
+from overnight.coordinator.tasks.states import LIVE, QUEUED, RUNNING, State
 from overnight.coordinator.tasks.taskfile import TaskSpec
-from overnight.worker.redisio.clients import not_run, retry_transient
 from overnight.worker.redisio.receipts import STREAM_MAXLEN
-from overnight.worker.redisio.scripts import COORDINATOR, register
-
-if TYPE_CHECKING:
-    import redis
-    from redis.commands.core import Script
 
 __all__ = [
     "AgentResult",
@@ -61,147 +60,11 @@ __all__ = [
     "server_time",
 ]
 
-# Why a task script refused a write. ``state``: the record is in a state the write may not
-# come from; ``illegal``: the table has no such write at all (a bug in the caller).
-Reason = Literal[
-    "unknown",
-    "stale-attempt",
-    "state",
-    "illegal",
-    "claimed",
-    "lost",
-    "alive",
-    "ceiling",
-    "taken",
-    "not-runner",
-]
 
-
-class Begun(NamedTuple):
-    """A begun step: the task's calls used so far, and the Redis server time of the write."""
-
-    calls_used: int
-    now: float
-
-
-class TaskRefused(OvernightError):
-    """A task script refused a write; ``reason`` says why and ``state`` names the state that
-    made it refuse (the record's for ``state``, the target's for ``illegal``)."""
-
-    def __init__(self, task_id: str, reason: Reason, state: str = "") -> None:
-        self.task_id, self.reason, self.state = task_id, reason, state
-        super().__init__(f"task {task_id!r}: refused: {self.why}")
-
-    @property
-    def why(self) -> str:
-        """The script's word for the refusal, e.g. ``stale-attempt`` or ``state:aborted``."""
-        return f"{self.reason}:{self.state}" if self.state else self.reason
-
-
-class TaskIdTaken(TaskRefused):
-    """A submitted id names a task that is still live."""
-
-    def __init__(self, task_id: str) -> None:
-        super().__init__(task_id, "taken")
-
-    def __str__(self) -> str:
-        return f"id {self.task_id!r} names a task that is still live"
-
-
-def server_time(client: redis.Redis) -> float:
-    """Redis server time in unix seconds (one TIME round trip)."""
-    secs, micros = client.time()
-    return int(secs) + int(micros) / 1_000_000
-
-
-def _checked(task_id: str, result: list[Any]) -> list[Any]:
-    """A script's reply ``{1, ...}``, or :class:`TaskRefused` for its ``{0, reason}``."""
-    if int(result[0]) == 1:
-        return result
-    word, _, state = str(result[1]).partition(":")
-    if word not in get_args(Reason):
-        raise ValueError(f"task {task_id!r}: script gave an unknown refusal {result[1]!r}")
-    raise TaskRefused(task_id, word, state)  # type: ignore[arg-type]
-
-
-def _register(client: redis.Redis, name: str) -> Script:
-    """A task script, after the Lua lines of its rows of the transitions table."""
-    op = name if name in get_args(Op) else None
-    prelude = lua_prelude(op)  # type: ignore[arg-type]
-    return register(client, f"task_{name}", package=COORDINATOR, prelude=prelude)
-
-
-_SCRIPTS = (
-    "create",
-    "claim",
-    "renew",
-    "save",
-    "begin",
-    "uncharge",
-    "orphan",
-    "resume",
-    "abort",
-    "rerun",
-    "drop_claim",
-    "forget",
-)
-# A queued task's RQ job is first checked by recovery this long after it was queued, then
-# again every as long (its job may simply not have been taken yet).
-QUEUED_GRACE = 30.0
-# How long a write the server refused to run (OOM, LOADING...) is tried again before the
-# refusal is raised to the caller.
-WRITE_PATIENCE = 60.0
-log = logging.getLogger("overnight.taskstore")
-
-
-class TaskStore:
+class TaskStore(TaskScripts):
     """Reads and atomic writes of task records in one namespace."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: Keys,
-        *,
-        retention: int | None = None,
-        queued_grace: float = QUEUED_GRACE,
-        patience: float = WRITE_PATIENCE,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self._retention = retention
-        self.queued_grace = queued_grace
-        self.patience = patience
-        self._scripts: dict[str, Script] = {name: _register(client, name) for name in _SCRIPTS}
-
-    @property
-    def retention(self) -> int:
-        """Seconds an ended task's record is kept (``OVERNIGHT_RETENTION`` unless given)."""
-        if self._retention is None:
-            from overnight.config.context import settings
-
-            try:
-                self._retention = settings().retention
-            except Exception:  # a bad setting is reported by whoever loads it first
-                self._retention = defaults.RETENTION
-        return self._retention
-
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        # A script the server refused to run (OOM at maxmemory, LOADING, READONLY...) is run
-        # again once it can: the refusal means nothing was written.
-        script = self._scripts[name]
-        return retry_transient(
-            lambda: script(keys=keys, args=args),
-            f"task script {name}",
-            log,
-            patience=self.patience,
-            when=not_run,
-        )
-
     # --- reading -----------------------------------------------------------------------
-    def now(self) -> float:
-        """Redis server time: the one clock of task times (the scripts read it themselves)."""
-        return server_time(self.client)
-
     def get(self, task_id: str) -> TaskRecord | None:
         raw = self.client.hgetall(self.keys.task(task_id))
         return TaskRecord.from_hash(raw) if raw and "spec" in raw else None  # type: ignore[arg-type]
@@ -303,7 +166,7 @@ class TaskStore:
                 task_id,
             ],
         )
-        _checked(task_id, result)
+        checked(task_id, result)
         rec = self.get(task_id)
         if rec is None:
             raise TaskRefused(task_id, "unknown")
@@ -316,7 +179,7 @@ class TaskStore:
             [self.keys.task_claim(task_id), self.keys.task_claims],
             [token, int(ttl * 1000), task_id],
         )
-        _checked(task_id, result)
+        checked(task_id, result)
 
     def save(self, rec: TaskRecord, token: str, nxt: Next) -> float:
         """Write ``nxt`` for the task held under ``token``: the checkpoint, the state and the
@@ -362,7 +225,7 @@ class TaskStore:
             ],
             args,
         )
-        return float(_checked(rec.id, result)[1])
+        return float(checked(rec.id, result)[1])
 
     def begin(self, rec: TaskRecord, token: str, checkpoint: Checkpoint, max_calls: int) -> Begun:
         """Begin the step in flight in ``checkpoint``: charge its call to the task's own
@@ -377,7 +240,7 @@ class TaskStore:
             [*keys, self.keys.task_charged(rec.id)],
             [token, flight.request_id, max_calls, checkpoint.model_dump_json()],
         )
-        reply = _checked(rec.id, result)
+        reply = checked(rec.id, result)
         return Begun(int(reply[1]), float(reply[2]))
 
     def uncharge(self, task_id: str, token: str, request_id: str) -> int:
@@ -387,14 +250,14 @@ class TaskStore:
         result = self._run(
             "uncharge", [*keys, self.keys.task_charged(task_id)], [token, request_id]
         )
-        return int(_checked(task_id, result)[1])
+        return int(checked(task_id, result)[1])
 
     def drop_claim(self, task_id: str, attempt: int, runner_pid: int) -> None:
         """Drop the claim held by a work horse known to be dead (``runner_pid``). Raises
         :class:`TaskRefused`: state, stale-attempt, not-runner or lost."""
         keys = [self.keys.task(task_id), self.keys.task_claim(task_id), self.keys.task_claims]
         args = [attempt, runner_pid, RUNNING.value, task_id]
-        _checked(task_id, self._run("drop_claim", keys, args))
+        checked(task_id, self._run("drop_claim", keys, args))
 
     def orphan(self, rec: TaskRecord, nxt: Next, attempt: int) -> None:
         """Move a running task whose claim lapsed (read as ``rec``) to ``nxt`` under
@@ -425,7 +288,7 @@ class TaskStore:
                 self.retention,
             ],
         )
-        _checked(rec.id, result)
+        checked(rec.id, result)
 
     def resume(self, rec: TaskRecord, checkpoint: Checkpoint) -> None:
         """Queue a paused task again for its next attempt. Raises :class:`TaskRefused`:
@@ -445,7 +308,7 @@ class TaskStore:
                 self.queued_grace,
             ],
         )
-        _checked(rec.id, result)
+        checked(rec.id, result)
 
     def rerun(self, rec: TaskRecord, spec: TaskSpec, checkpoint: Checkpoint, run: str) -> None:
         """Queue an ended task again for its next attempt, with ``spec``, ``checkpoint`` and
@@ -477,7 +340,7 @@ class TaskStore:
                 self.queued_grace,
             ],
         )
-        _checked(rec.id, result)
+        checked(rec.id, result)
 
     def abort(self, task_id: str, detail: str) -> None:
         """End a live task as aborted. Raises :class:`TaskRefused` (state: it has ended)."""
@@ -495,7 +358,7 @@ class TaskStore:
             ],
             [detail, STREAM_MAXLEN, body, task_id, self.retention],
         )
-        _checked(task_id, result)
+        checked(task_id, result)
 
     # --- the recovery index and retention ---------------------------------------------
     def lapsed_claims(self, now_ms: int, limit: int = 1000) -> list[str]:
