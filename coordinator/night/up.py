@@ -295,6 +295,8 @@ def _run(
     )
     # Named once the namespace is ours, so a refusal stays one line.
     print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
+    if settings.sandbox != "bwrap":
+        print("overnight up: steps run WITHOUT a sandbox (OVERNIGHT_SANDBOX=off)", file=sys.stderr)
     try:
         budget = opts.budget if opts.budget is not None else settings.budget
         if budget is not None and ensure_envelope(client, keys, budget):
