@@ -26,3 +26,18 @@ def runtime_root() -> Path:
 def proof_dir(namespace: str) -> Path:
     """The folder of the supervisor's lease proofs for ``namespace`` (see worker.lease.proof)."""
     return runtime_root() / f"ns-{quote(namespace, safe='')}" / "leases"
+
+
+def gateway_folder() -> Path:
+    """The folder of this user's gateway sockets, beside :func:`runtime_root`: this user's
+    own and written by no one else (0755: steps, and bubblewrap run as a step's uid, reach
+    the socket in it; none can put a socket of its own there)."""
+    root = runtime_root()
+    return root.with_name(root.name + "-gateway")
+
+
+def gateway_socket(namespace: str) -> Path:
+    """The Unix socket the gateway of ``namespace`` listens on (see :func:`gateway_folder`):
+    workers and sandboxed steps reach the gateway through it, never through a TCP port that
+    a step could take over."""
+    return gateway_folder() / f"{quote(namespace, safe='')}.sock"

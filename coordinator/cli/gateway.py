@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -41,6 +42,8 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     import redis.asyncio as aioredis
 
     from overnight.config.context import redis_client, settings
+    from overnight.config.folders import usable
+    from overnight.config.runtime import gateway_socket
     from overnight.config.settings import mask_url
     from overnight.worker.gateway import server as gateway
     from overnight.worker.supervise import procs
@@ -70,6 +73,13 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     client = aioredis.Redis(connection_pool=pool)
     bind_host = host or cfg.gateway_host
     bind_port = cfg.gateway_port if port is None else port
+    socket_path = gateway_socket(cfg.namespace)
+    usable(
+        socket_path.parent,
+        0o755,
+        f"remove it or let uid {os.geteuid()} own it (only overnight may write there)",
+        own=True,
+    )
 
     def ready(url: str) -> None:
         click.echo(f"overnight gateway: listening on {url}", err=True)
@@ -89,6 +99,7 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
                 host=bind_host,
                 port=bind_port,
                 ready=ready,
+                socket_path=socket_path,
             )
         finally:
             await client.aclose()
@@ -98,7 +109,8 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     except asyncio.CancelledError:
         pass
     except OSError as exc:
-        raise CommandError(f"cannot listen on {bind_host}:{bind_port}: {exc}", EXIT_USAGE) from None
+        where = f"{bind_host}:{bind_port} and {socket_path}"
+        raise CommandError(f"cannot listen on {where}: {exc}", EXIT_USAGE) from None
     click.echo("overnight gateway: stopped", err=True)
 
 

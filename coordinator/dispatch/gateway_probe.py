@@ -1,4 +1,4 @@
-"""Whether this host wants a metering gateway, and whether one answers on its port."""
+"""Whether this host wants a metering gateway, and whether overnight's own serves its socket."""
 
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ def gateway_wanted(settings: Settings) -> bool:
 
 
 def gateway_answers(settings: Settings, wait: float = 0.0) -> bool:
-    """Whether a gateway answers on this host's gateway port (polled up to ``wait`` s)."""
-    import socket
+    """Whether overnight's own gateway serves this namespace here (polled up to ``wait`` s):
+    its Unix socket answers, in overnight's folder, from overnight's uid. Whatever answers
+    on the TCP port is not asked: a step may have taken it after the gateway died."""
+    from overnight.config.runtime import gateway_socket
+    from overnight.worker.gateway.peer import socket_problem
 
-    host = settings.gateway_host if settings.gateway_host not in ("0.0.0.0", "::") else "127.0.0.1"
+    path = gateway_socket(settings.namespace)
     deadline = time.monotonic() + wait
     while True:
-        try:
-            with socket.create_connection((host, settings.gateway_port), timeout=0.5):
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        if socket_problem(path, timeout=0.5) is None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

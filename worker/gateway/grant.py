@@ -71,6 +71,19 @@ def step_env(base_url: str, token: str) -> dict[str, str]:
     }
 
 
+def reach_problem(base_url: str, socket: str | None = None) -> str | None:
+    """Why a step may not be given a token for the gateway it would reach: through
+    ``socket`` (a sandbox binds it in), the socket's place and peer; else the loopback port
+    of ``base_url``, whoever holds it (:mod:`worker.gateway.peer`). None: it is overnight's."""
+    from pathlib import Path
+
+    from overnight.worker.gateway import peer
+
+    if socket is not None:
+        return peer.socket_problem(Path(socket))
+    return peer.tcp_problem(base_url)
+
+
 def mint(
     client: redis.Redis,
     keys: Keys,

@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -208,6 +210,11 @@ class Gateway:
                 log.warning("gateway: lease=%s: progress not recorded: %s", who.lease_id, exc)
 
 
+# While another process holds the TCP port, the gateway serves its Unix socket alone and
+# tries the port again this often.
+RETRY_TCP = 1.0
+
+
 async def serve(
     client: aioredis.Redis,
     namespace: str,
@@ -217,24 +224,90 @@ async def serve(
     host: str,
     port: int,
     ready: Callable[[str], Awaitable[None] | None] | None = None,
+    socket_path: Path | None = None,
 ) -> None:
-    """Serve until cancelled (SIGTERM/SIGINT in the CLI)."""
+    """Serve until cancelled (SIGTERM/SIGINT in the CLI): on ``socket_path`` (made 0666 in
+    a folder only this user writes, see :func:`config.runtime.gateway_socket`) and on
+    ``host:port`` for clients that cannot speak to a Unix socket. With a socket, a TCP port
+    another process holds is logged and taken when it frees up; without one it is fatal."""
     gateway = Gateway(Meter(client, namespace, host_id), config)
     runner = web.AppRunner(
         gateway.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
-    await site.start()
+    retry: asyncio.Task[None] | None = None
     try:
-        bound = runner.addresses[0][1] if runner.addresses else port
+        if socket_path is not None:
+            await _unix_site(runner, socket_path)
+        taken = await _tcp_site(runner, host, port)
+        if taken is not None:
+            if socket_path is None:
+                raise taken
+            log.warning(
+                "gateway: %s:%d is held by another process (%s): serving %s only until it "
+                "is free; steps are not sent a token for that port meanwhile",
+                host,
+                port,
+                taken.strerror or taken,
+                socket_path,
+            )
+            retry = asyncio.create_task(_take_port(runner, host, port))
+        bound = port
+        for address in runner.addresses:
+            if isinstance(address, tuple):
+                bound = address[1]
         if ready is not None:
-            result = ready(f"http://{host}:{bound}")
+            where = f"http://{host}:{bound}"
+            result = ready(where if socket_path is None else f"{where} and unix:{socket_path}")
             if result is not None:
                 await result
         await asyncio.Event().wait()
     finally:
+        if retry is not None:
+            retry.cancel()
         await runner.cleanup()
+        if socket_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(socket_path)
+
+
+async def _unix_site(runner: web.AppRunner, path: Path) -> None:
+    """Listen on ``path``: a socket left there by a gateway that died is replaced; one that
+    still answers is another gateway's (``OSError``)."""
+    import socket as socket_lib
+
+    if os.path.lexists(path):
+        probe = socket_lib.socket(socket_lib.AF_UNIX, socket_lib.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            os.unlink(path)  # nobody answers: a dead gateway's
+        else:
+            raise OSError(98, f"another gateway answers on {path}")
+        finally:
+            probe.close()
+    site = web.UnixSite(runner, str(path), backlog=1024)
+    await site.start()
+    # Steps of other uids connect; only overnight's user can write the folder it is in.
+    os.chmod(path, 0o666)
+
+
+async def _tcp_site(runner: web.AppRunner, host: str, port: int) -> OSError | None:
+    """Listen on ``host:port`` too; the error if that port cannot be had now."""
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        await site.stop()  # unregistered from the runner, so a later try starts afresh
+        return exc
+    return None
+
+
+async def _take_port(runner: web.AppRunner, host: str, port: int) -> None:
+    while await asyncio.sleep(RETRY_TCP, result=True):
+        if await _tcp_site(runner, host, port) is None:
+            log.warning("gateway: %s:%d is free again and served", host, port)
+            return
 
 
 def config_from(settings: Any) -> Config:

@@ -276,6 +276,10 @@ class _Run:
         grant = self.spec.grant
         if grant is None:
             return None
+        socket = self.spec.gateway_socket if self.spec.sandbox else None
+        problem = gateway_grant.reach_problem(grant.base_url, socket)
+        if problem is not None:  # never a token for whatever holds the gateway's place
+            raise PermissionError(13, f"the gateway cannot be trusted: {problem}")
         ttl = self.spec.deadline + self.spec.gap + 60
         self.gateway_token, env = gateway_grant.mint(
             self.client, self.keys, self.lease_id, self.keeper.token, grant, ttl, self.spec.gap
