@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,10 @@ IMPOSTOR = textwrap.dedent("""
 """)
 
 
+def _as(user: StepUser) -> list[str]:
+    return ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups"]
+
+
 def _gateway_children(parent: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -245,3 +250,63 @@ def test_an_impostor_on_the_port_is_never_sent_a_token(
         worker.terminate()
         worker.wait(60)
     assert not path.exists()  # the gateway removed its socket as it stopped
+
+
+@pytest.mark.timeout(120)
+def test_a_steps_relay_forwards_only_to_overnights_port(
+    step_user: StepUser, request: pytest.FixtureRequest
+) -> None:
+    from overnight.coordinator.night.embedded_redis import free_port
+    from overnight.worker.sandbox.relay import Relay
+
+    corner = Path(tempfile.mkdtemp(prefix="overnight-impostor-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(corner, ignore_errors=True))
+    corner.chmod(0o755)
+    seen = corner / "impostor.log"
+    seen.touch()
+    os.chmod(seen, 0o666)
+    (corner / "impostor.py").write_text(IMPOSTOR)
+
+    def ask(relay: Relay) -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10)
+            c.connect(relay.path)
+            c.sendall(b"GET / HTTP/1.1\r\nAuthorization: Bearer ovn-secret\r\n\r\n")
+            try:
+                return c.recv(4096)
+            except ConnectionResetError:
+                return b""
+
+    # The twin: a listener of overnight's own uid gets the request.
+    own = socket.socket()
+    own.bind(("127.0.0.1", 0))
+    own.listen(1)
+    relay = Relay("lease-own", "127.0.0.1", own.getsockname()[1])
+    try:
+        asked = threading.Thread(target=lambda: ask(relay), daemon=True)
+        asked.start()
+        conn, _ = own.accept()
+        with conn:
+            assert b"ovn-secret" in conn.recv(4096)
+        asked.join(10)
+    finally:
+        relay.close()
+        own.close()
+
+    port = free_port()
+    impostor = subprocess.Popen(
+        [*_as(step_user), sys.executable, str(corner / "impostor.py"), str(port), str(seen)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    relay = Relay("lease-stranger", "127.0.0.1", port)
+    try:
+        assert impostor.stdout is not None and impostor.stdout.readline() == "bound\n"
+        assert ask(relay) == b""  # closed: nothing forwarded
+        assert seen.read_bytes() == b""
+    finally:
+        relay.close()
+        impostor.kill()
+        impostor.wait(10)
+        if impostor.stdout is not None:
+            impostor.stdout.close()

@@ -55,6 +55,13 @@ class Relay:
             threading.Thread(target=self._pair, args=(conn,), daemon=True).start()
 
     def _pair(self, conn: socket.socket) -> None:
+        from overnight.worker.gateway.peer import tcp_problem
+
+        host, port = self.target
+        # Checked per connection: the gateway may die mid-step and a stranger take its port.
+        if tcp_problem(f"http://{host}:{port}") is not None:
+            conn.close()
+            return
         try:
             up = socket.create_connection(self.target, timeout=10)
         except OSError:
