@@ -93,7 +93,16 @@ def test_second_up_refuses_and_sigterm_stops_everything(
 ) -> None:
     tasks = copy_examples(tmp_path)
     first = subprocess.Popen(
-        [OVERNIGHT, "up", "--tasks", str(tasks / "03-hangs"), "--state-dir", str(tmp_path / "a")],
+        [
+            OVERNIGHT,
+            "up",
+            "--tasks",
+            str(tasks / "03-hangs"),
+            "--budget",
+            "10",
+            "--state-dir",
+            str(tmp_path / "a"),
+        ],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
