@@ -149,21 +149,25 @@ def test_the_namespace_lock_is_one_holder_at_a_time_and_renewed(
 ) -> None:
     from overnight.config.exits import EXIT_REFUSED, CommandError
     from overnight.config.keys import Keys
-    from overnight.coordinator.night.up import INSTANCE_TTL_MS, _claim_instance, _renew_instance
+    from overnight.coordinator.night.instance import (
+        INSTANCE_TTL_MS,
+        claim_instance,
+        renew_instance,
+    )
 
     keys = Keys(namespace)
-    first = _claim_instance(r, keys, "host-a:1:x")
+    first = claim_instance(r, keys, "host-a:1:x")
     with pytest.raises(CommandError) as refused:
-        _claim_instance(r, keys, "host-b:2:y")
+        claim_instance(r, keys, "host-b:2:y")
     assert refused.value.exit_code == EXIT_REFUSED and "host-a:1:x" in str(refused.value)
     r.pexpire(keys.instance("up"), 1000)
-    _renew_instance(first, keys)
+    renew_instance(first, keys)
     assert INSTANCE_TTL_MS - 2000 < r.pttl(keys.instance("up")) <= INSTANCE_TTL_MS
     # Lapsed (up was stalled): the holder takes it back if nobody else did.
     r.delete(keys.instance("up"))
-    _renew_instance(first, keys)
+    renew_instance(first, keys)
     assert r.get(keys.instance("up")) == "host-a:1:x"
     first.release()
-    second = _claim_instance(r, keys, "host-b:2:y")
+    second = claim_instance(r, keys, "host-b:2:y")
     second.release()
     assert not r.exists(keys.instance("up"))

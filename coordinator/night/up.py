@@ -9,7 +9,6 @@ rest of the grace is skipped, the stop still recorded). See :mod:`coordinator.ta
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -23,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from overnight.config.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
-from overnight.config.folders import make_folders
+from overnight.config.exits import EXIT_OK, EXIT_USAGE, CommandError
 from overnight.config.keys import Keys
 from overnight.config.spawn import overnight_argv
 from overnight.coordinator.night.ending import (
@@ -36,6 +34,7 @@ from overnight.coordinator.night.ending import (
     plural,
     resume_queued,
 )
+from overnight.coordinator.night.instance import claim_instance, lock_state_dir, renew_instance
 from overnight.coordinator.night.record import night_over, record_night
 from overnight.coordinator.night.stack import Stack
 from overnight.coordinator.report.progress import PlainProgress, TaskRow, table
@@ -50,11 +49,10 @@ if TYPE_CHECKING:
     from overnight.coordinator.tasks.store import TaskRecord
 
 log = logging.getLogger("overnight.up")
-INSTANCE_TTL_MS = 15_000
 REFRESH_SEC = 0.5
 MAINTAIN_SEC = 2.0
 # How long past the grace a warm stop of the workers may take before it is forced, and how
-# long a forced one may take (the worker's own bound, dispatch.FORCED_WAIT, plus a margin).
+# long a forced one may take (the worker's own bound, dispatch.worker.FORCED_WAIT, plus a margin).
 WARM_MARGIN = 2.0
 FORCED_MARGIN = 20.0
 
@@ -121,54 +119,6 @@ def stop_workers(stack: Stack, grace: float) -> None:
         return
     log.warning("workers still busy %.0fs after the stop; forcing it", grace + WARM_MARGIN)
     _all_exit(_signal_workers(stack), FORCED_MARGIN)
-
-
-def _lock_state_dir(state_dir: Path) -> TextIO:
-    make_folders(state_dir, 0o700)  # its own mode whatever the umask: never open to all
-    fh = open(state_dir / "up.lock", "a+")  # noqa: SIM115 - held for the life of `up`
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        raise CommandError(
-            f"another overnight up uses {state_dir}/; stop it first or run from another folder",
-            EXIT_REFUSED,
-        ) from None
-    return fh
-
-
-def _claim_instance(client: redis.Redis, keys: Keys, me: str) -> Lock:
-    """Take the namespace's ``up`` lock (redis-py's ``Lock``, holding ``me``) or refuse."""
-    from redis.lock import Lock
-
-    lock = Lock(
-        client,
-        keys.instance("up"),
-        timeout=INSTANCE_TTL_MS / 1000,
-        blocking=False,
-        thread_local=False,
-        raise_on_release_error=False,
-    )
-    if lock.acquire(token=me):
-        return lock
-    holder = client.get(keys.instance("up"))
-    holder = holder.decode() if isinstance(holder, bytes) else holder
-    raise CommandError(
-        f"another overnight up ({holder}) runs on namespace {keys.namespace!r}; "
-        "stop it or set another OVERNIGHT_NAMESPACE",
-        EXIT_REFUSED,
-    )
-
-
-def _renew_instance(lock: Lock, keys: Keys) -> None:
-    """Push the lock's TTL back to the full term; take it again if it lapsed meanwhile."""
-    from redis.exceptions import LockNotOwnedError
-
-    try:
-        lock.reacquire()
-    except LockNotOwnedError:
-        if not lock.acquire(token=lock.local.token):
-            log.warning("namespace %r: another overnight up holds the lock now", keys.namespace)
 
 
 def task_rows(client: redis.Redis, keys: Keys, records: list[TaskRecord]) -> list[TaskRow]:
@@ -244,7 +194,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     user = decide(settings.step_user, settings.allow_root_steps, os.geteuid())  # exit 78 if not
     launch.require(settings.sandbox, user)  # exit 78 if a sandbox is asked for and cannot start
     prepare_host(settings, user)  # exit 78 naming a folder it cannot use, before any task
-    lock = _lock_state_dir(opts.state_dir)
+    lock = lock_state_dir(opts.state_dir)
     # Orphans of what the stack starts are re-parented here, so the final sweep reaps them.
     set_child_subreaper()
     stack = Stack(env=dict(os.environ), state_dir=opts.state_dir, grace=settings.grace)
@@ -290,7 +240,7 @@ def _run(
     client.ping()
     require_password(client, settings, "overnight up")
     keys = Keys(settings.namespace)
-    lock = _claim_instance(
+    lock = claim_instance(
         client, keys, f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     )
     # Named once the namespace is ours, so a refusal stays one line.
@@ -399,7 +349,7 @@ def _watch(
             for line in stack.restart_dead():
                 print(f"overnight: {line}", file=sys.stderr)
             try:
-                _renew_instance(lock, keys)
+                renew_instance(lock, keys)
                 if now >= next_maintain:
                     next_maintain = now + MAINTAIN_SEC
                     for line in maintain(client, rq_conn, settings):
