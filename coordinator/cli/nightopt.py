@@ -27,7 +27,7 @@ def night_option(command: F) -> F:
     demo ran with that state folder (default ``.overnight`` here)."""
     return click.option(
         "--state-dir",
-        type=click.Path(file_okay=False, path_type=Path),
+        type=click.Path(file_okay=False, readable=False, path_type=Path),
         default=Path(".overnight"),
         show_default=True,
         metavar="DIR",

@@ -117,7 +117,10 @@ def open_night(found: Found) -> Opened:
 
     state, rec = found.state_dir, found.record
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.started))
-    fh = open(state / LOCK_FILE, "a+")  # noqa: SIM115 - held while this process reads
+    try:
+        fh = open(state / LOCK_FILE, "a+")  # noqa: SIM115 - held while this process reads
+    except OSError as exc:
+        raise CommandError(_unreadable(state, exc.strerror or str(exc)), EXIT_USAGE) from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -135,9 +138,9 @@ def open_night(found: Found) -> Opened:
     server = EmbeddedRedis(Path(rec.redis_dir), appendonly=True, password=secrets.token_hex(24))
     try:
         server.start()
-    except Exception:
+    except (OSError, RuntimeError) as exc:
         fh.close()
-        raise
+        raise CommandError(_unreadable(state, str(exc)), EXIT_USAGE) from None
     _held.extend([fh, server])
     atexit.register(server.stop)
     line = (
@@ -145,6 +148,10 @@ def open_night(found: Found) -> Opened:
         f"redis-server on its data in {rec.redis_dir})"
     )
     return Opened(server.url, rec.namespace, line)
+
+
+def _unreadable(state: Path, why: str) -> str:
+    return f"cannot read the night in {state}: {why}; run this as the user who ran it"
 
 
 def use_night(root: Path, explicit: bool, err: TextIO = sys.stderr) -> None:
@@ -159,6 +166,8 @@ def use_night(root: Path, explicit: bool, err: TextIO = sys.stderr) -> None:
     configured = "redis_url" in settings.model_fields_set
     if configured and not explicit:
         return
+    if root.is_dir() and not os.access(root, os.R_OK | os.X_OK):
+        raise CommandError(_unreadable(root, "permission denied"), EXIT_USAGE)
     found = latest(read_nights(root))
     if found is None:
         if explicit:
