@@ -100,6 +100,14 @@ def test_system_folders_read_only_links_as_links_nothing_else_of_the_host() -> N
     assert "/" not in sources
 
 
+def test_unreadable_system_files_are_emptied_after_etc_is_bound() -> None:
+    argv = launch_argv(spec(hidden_files=("/etc/shadow",), hidden_dirs=("/etc/ssl/private",)))
+    assert ("/dev/null", "/etc/shadow") in pairs(argv, "--ro-bind")
+    at = argv.index("/etc/ssl/private")
+    assert argv[at - 1] == "--tmpfs" and at > argv.index("/etc")
+    assert argv.index("/etc/shadow") > argv.index("/etc")
+
+
 def test_worktree_and_extra_paths() -> None:
     argv = launch_argv(spec(readable=("/prompts/t1",), writable=("/cache",), sockets=("/run/b/s",)))
     assert ("/state/wt/t1", "/state/wt/t1") in pairs(argv, "--bind")

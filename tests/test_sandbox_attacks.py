@@ -185,6 +185,17 @@ def test_private_tmp_vanishes_with_the_step(env: dict[str, str], who: str, place
                 os.unlink(f"{d}/{name}")
 
 
+def test_no_root_only_system_file(env: dict[str, str], who: str, place: Path) -> None:
+    """A root step (a verifier rule, when overnight runs as root) reads no root-only file of
+    /etc in its sandbox; its twin without the sandbox does (for root, the secret is there)."""
+    script = "cat /etc/shadow; ls /etc/ssl/private; echo END"
+    code, out = run(env, who, "bwrap", place / "wt", "sh", "-c", script)
+    assert code == 0 and "END" in out, out
+    assert "root:" not in out
+    code, out = run(env, who, "off", place / "wt", "sh", "-c", script)
+    assert ("root:" in out) is (who == "root"), out
+
+
 def test_writes_only_its_worktree(env: dict[str, str], who: str, place: Path) -> None:
     outside = place / "outside"
     outside.mkdir()

@@ -73,6 +73,10 @@ class SandboxSpec:
     writable: tuple[str, ...] = ()
     readable: tuple[str, ...] = ()
     sockets: tuple[str, ...] = ()  # Unix sockets bound in at the same path (the beat channel)
+    # Files and folders under the system folders that not everyone may read (/etc/shadow,
+    # /etc/ssl/private): emptied inside, for a step whose uid could read them (root steps).
+    hidden_files: tuple[str, ...] = ()
+    hidden_dirs: tuple[str, ...] = ()
     home_files: tuple[HomeFile, ...] = ()
     network: Network = "none"
     gateway_socket: str | None = None
@@ -157,6 +161,10 @@ def launch_argv(spec: SandboxSpec) -> list[str]:
             argv += ["--ro-bind", f"/{name}", f"/{name}"]
         else:
             argv += ["--symlink", target, f"/{name}"]
+    for path in spec.hidden_files:
+        argv += ["--ro-bind", "/dev/null", path]
+    for path in spec.hidden_dirs:
+        argv += ["--perms", "0700", "--tmpfs", path]
     argv += ["--ro-bind-data", str(spec.passwd_fd), "/etc/passwd"]
     argv += ["--ro-bind-data", str(spec.group_fd), "/etc/group"]
     argv += ["--proc", "/proc", "--dev", "/dev"]

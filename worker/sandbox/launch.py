@@ -13,6 +13,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -69,6 +70,34 @@ def root_entries(root: str = "/") -> dict[str, str | None]:
         elif os.path.isdir(path):
             found[name] = None
     return found
+
+
+@cache
+def hidden(root: str = "/etc") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The files and folders under ``root`` that not everyone may read (not followed
+    through links): what a sandbox empties (read once a process: such files are rare and
+    stay put)."""
+    files: list[str] = []
+    folders: list[str] = []
+    for top, subs, names in os.walk(root):
+        open_subs = []
+        for name in subs:
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                continue
+            if info.st_mode & 0o005 != 0o005:
+                folders.append(path)
+            else:
+                open_subs.append(name)
+        subs[:] = open_subs
+        for name in names:
+            path = os.path.join(top, name)
+            with contextlib.suppress(OSError):
+                info = os.lstat(path)
+                if stat.S_ISREG(info.st_mode) and not info.st_mode & 0o004:
+                    files.append(path)
+    return tuple(sorted(files)), tuple(sorted(folders))
 
 
 def bridge_argv(python: str) -> tuple[str, ...]:
@@ -227,6 +256,8 @@ def prepare(
             writable=tuple(writable),
             readable=_reachable([*_outside(own_code(), worktree), *readable], user),
             sockets=_reachable(sockets, user),
+            hidden_files=hidden()[0],
+            hidden_dirs=hidden()[1],
             home_files=tuple(files),
             network=network,
             gateway_socket=gateway_socket,
