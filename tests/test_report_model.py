@@ -61,6 +61,7 @@ def test_ending_class(status: str, note: str, stopped: bool, want: str) -> None:
         ("reaped: host-lost", "host-lost"),
         ("reaped: no beat for 3s", "reaped"),
         ("supervisor-signal-15", "supervisor-signal"),
+        ("over-limit: process limit reached (512 processes)", "over-limit"),
         ("anything the agent wrote \u202e", "other"),
     ],
 )

@@ -63,6 +63,7 @@ def lease_reason(note: str) -> str:
         ("reaped: host-lost", "host-lost"),
         ("reaped", "reaped"),
         ("call-refused", "call-refused"),
+        ("over-limit", "over-limit"),
     ):
         if note.startswith(prefix):
             return reason

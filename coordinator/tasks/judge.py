@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 STUCK_TURNS = 3
 # The lease note of a step the gateway ended because a call was refused (worker.supervise.outcome).
 CALL_REFUSED = "call-refused: "
+# The lease note of a step whose tree went over one of its limits (worker.sandbox.limits).
+OVER_LIMIT = "over-limit: "
 # How many steps' tails, and how many unclean lease endings, a task's record keeps.
 KEEP_STEPS = 8
 KEEP_ENDINGS = 20
@@ -67,6 +69,8 @@ def ending(turn: int, name: str, rule: bool, status: str, note: str, limit: floa
         return f"{what} killed by {_signame(by_signal.group(2))}"
     if by_signal:
         return f"{what} stopped: its supervisor got {_signame(by_signal.group(2))}"
+    if note.startswith(OVER_LIMIT):
+        return f"{what} killed: {note.removeprefix(OVER_LIMIT)}"
     if note == "lease-lost":
         return f"{what} killed: lease lost (Redis unreachable longer than the gap)"
     return f"{what} {status or 'ended'}: {note or 'no note'}"
@@ -289,8 +293,16 @@ def judge(
         ),
         "",
     )
+    agent_note = cp.agent.note if cp.agent is not None else ""
+    stopped = ""
+    if agent_note.startswith(OVER_LIMIT):
+        stopped = ending(cp.turn, "agent", False, "killed", agent_note, 0)
     cp.memory = Memory(
-        unmet=verdict.failed, rule=first.name, note=first_said or first.note, evidence=first.tail
+        unmet=verdict.failed,
+        rule=first.name,
+        note=first_said or first.note,
+        evidence=first.tail,
+        stopped=stopped,
     )
     agent_digest = cp.agent.digest if cp.agent else ""
     fingerprint = hashlib.sha256(f"{agent_digest}|{verdict.failed}".encode()).hexdigest()[:32]

@@ -19,6 +19,8 @@ from overnight.coordinator.workspace.taskspace import TaskSpace, verifier_env
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import stepenv, stepuser
 from overnight.worker.sandbox.launch import worktree_git
+from overnight.worker.sandbox.limits import Limits
+from overnight.worker.sandbox.limits import configured as limits_setting
 from overnight.worker.sandbox.stepuser import StepUser
 
 MAX_PROMPT_ARG = 100_000  # bytes; Linux refuses a single argv/env string over 128 KiB
@@ -55,9 +57,17 @@ class LoopConfig:
     stop_asked: Callable[[], int | None] = stop.not_asked
 
 
+def step_limits(spec: TaskSpec) -> Limits:
+    """The limits a task's steps run under: the settings', with the task's own values."""
+    base = limits_setting()
+    return base if spec.limits is None else base.overridden(spec.limits.model_dump())
+
+
 def build_prompt(spec: TaskSpec, memory: Memory | None) -> str:
     """The assignment, and once a verdict failed: exactly the unmet rules and the evidence."""
     parts = [f"Assignment:\n{spec.assignment.strip()}\n"]
+    if memory is not None and memory.stopped:
+        parts.append(f"Your last turn was stopped: {memory.stopped}.\n")
     if memory is not None:
         runs = {rule.name: " ".join(rule.run) for rule in spec.verifier}
         runs.setdefault(PROTECTED_RULE, "leave the protected paths as they were at the base")
@@ -100,6 +110,7 @@ def step_request(
             config.grace,
             beat_while_alive=True,
             log_path=log_path(config, rec, cp, rule.name),
+            limits=step_limits(spec),
         )
     cwd, tree = spec.workdir, None
     if space is not None:
@@ -153,6 +164,7 @@ def step_request(
         on_line=reader,
         worktree=str(tree.path) if tree is not None else None,
         network=spec.network,
+        limits=step_limits(spec),
         readable=(str(folder), *(worktree_git(tree.git_dir) if tree else ())),
     )
 

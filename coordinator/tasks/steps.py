@@ -26,6 +26,7 @@ from overnight.coordinator.tasks.judge import CANNOT_START
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.bwrap import Network
+from overnight.worker.sandbox.limits import Limits
 from overnight.worker.sandbox.stepenv import make_home, remove_home, step_environment
 from overnight.worker.sandbox.stepuser import StepUser, configured
 from overnight.worker.supervise.signals import SignalCatcher
@@ -67,6 +68,7 @@ class StepRequest:
     worktree: str | None = None
     readable: tuple[str, ...] = ()
     network: Network = "none"  # "host": the sandbox's network opt-out (the task's key)
+    limits: Limits | None = None  # the step's limits (None: the settings')
     # Sees every output line too (an agent preset reading the CLI's structured output).
     on_line: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
 
@@ -212,6 +214,7 @@ def supervised_runner(
             worktree=req.worktree,
             readable=req.readable,
             network=req.network,
+            limits=req.limits,
         )
         if sandboxed and req.network == "host":
             line = (

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from overnight.config.errors import OvernightError
+from overnight.config.validate import size
 from overnight.coordinator import agents
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base
@@ -68,6 +69,24 @@ class Rule(BaseModel):
         return _check_argv(value)
 
 
+class TaskLimits(BaseModel):
+    """``pids`` processes in a step's tree, ``memory`` bytes resident (``"2G"``),
+    ``open_files`` and ``cpu`` seconds per process, ``disk`` bytes written (``"1G"``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pids: int | None = Field(None, ge=0, le=1_000_000)
+    memory: int | None = Field(None, ge=0)
+    open_files: int | None = Field(None, ge=0, le=1 << 20)
+    cpu: int | None = Field(None, ge=0, le=30 * 86_400)
+    disk: int | None = Field(None, ge=0)
+
+    @field_validator("memory", "disk", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        return None if value is None else size(value)
+
+
 class TaskSpec(BaseModel):
     """A task exactly as the contract names its keys. ``workdir`` is absolute once loaded."""
 
@@ -96,6 +115,8 @@ class TaskSpec(BaseModel):
     # In a sandbox (OVERNIGHT_SANDBOX=bwrap), the agent's network: "none" reaches only its
     # gateway; "host" is the explicit opt-out (the host's network), said in its step's log.
     network: Literal["none", "host"] = "none"
+    # Its steps' limits (processes, memory, open files, CPU, disk), else the settings'.
+    limits: TaskLimits | None = None
     # Globs (relative to the repository root) put back from the base before every verifier run.
     protect: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
     # Set at submit from the workdir (never from the file): the base the task works from.

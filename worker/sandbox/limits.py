@@ -126,6 +126,18 @@ def over(limits: Limits, seen: Sample) -> str | None:
     return None
 
 
+def cgroup_files(limits: Limits) -> dict[str, str]:
+    """The cgroup v2 files that hold ``limits`` where the host delegates the ``pids`` and
+    ``memory`` controllers to the step's group (a file that is absent there is skipped)."""
+    files: dict[str, str] = {}
+    if limits.pids:
+        files["pids.max"] = str(limits.pids)
+    if limits.memory:
+        files["memory.max"] = str(limits.memory)
+        files["memory.swap.max"] = "0"
+    return files
+
+
 def note(kind: str, limits: Limits) -> str:
     """The lease note of a step ended over ``kind`` (``over-limit: <words>``)."""
     return f"over-limit: {words(kind, getattr(limits, kind))}"
@@ -167,6 +179,20 @@ def launch_prefix(limits: Limits, uid: int) -> list[str]:
     count = uid_processes(uid) if limits.pids else 0
     args = rlimit_args(limits, uid_procs=count, nofile_hard=nofile_hard)
     return [program, *args, "--"] if args else []
+
+
+def apply_cgroup(group: str, limits: Limits) -> list[str]:
+    """Write :func:`cgroup_files` into the step's cgroup folder ``group`` where its
+    controllers exist; the names written (empty where none is delegated)."""
+    written = []
+    for name, value in cgroup_files(limits).items():
+        path = os.path.join(group, name)
+        if not os.path.exists(path):
+            continue
+        with contextlib.suppress(OSError), open(path, "w") as fh:
+            fh.write(value)
+            written.append(name)
+    return written
 
 
 def tree_usage(pids: Iterable[int]) -> tuple[int, int, float]:

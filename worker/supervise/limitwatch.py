@@ -13,6 +13,7 @@ from overnight.worker.sandbox.bwrap import TMPFS_PRIVATE
 from overnight.worker.supervise import outcome, procs, tree
 
 if TYPE_CHECKING:
+    from overnight.worker.sandbox.cgroup import StepGroup
     from overnight.worker.sandbox.launch import Prepared
     from overnight.worker.supervise.outcome import Outcome
     from overnight.worker.supervise.spec import StepSpec
@@ -31,10 +32,15 @@ class Guard:
         self.tree: tree.Tree | None = None
         self.said = ""
 
-    def launch(self, argv: list[str], home: str | None, ready: Prepared | None) -> list[str]:
-        """``argv`` behind the ``prlimit`` prefix; the writable trees measured from now:
-        the worktree and, in the sandbox, its tmpfs mounts, else the scratch ``home``."""
+    def launch(
+        self, argv: list[str], home: str | None, ready: Prepared | None, group: StepGroup | None
+    ) -> list[str]:
+        """``argv`` behind the ``prlimit`` prefix (and the limits in the step's cgroup
+        ``group`` where its controllers are delegated); the writable trees measured from
+        now: the worktree and, in the sandbox, its tmpfs mounts, else the scratch ``home``."""
         spec = self.spec
+        if group is not None:
+            step_limits.apply_cgroup(str(group.path), self.limits)
         uid = spec.user.uid if spec.user is not None else os.getuid()  # bwrap's uid too
         trees: list[str] = []
         mounts: tuple[str, ...] = ()

@@ -167,7 +167,7 @@ class _Run:
             if spec.sandbox:
                 ready, self.relay = prepare_sandbox(spec, env, self.lease_id, guard.limits.disk)
                 argv, env, user = ready.argv, ready.env, None  # setpriv takes the uid
-            argv = guard.launch(argv, self.home, ready)
+            argv = guard.launch(argv, self.home, ready, self.group)
             try:
                 self.child = Child(
                     argv,
@@ -306,9 +306,8 @@ class _Run:
             self.group = None
 
     def _pending_signal(self) -> int | None:
-        if self.signals is None or not self.signals.pending:
-            return None
-        return self.signals.pending[0]
+        pending = self.signals.pending if self.signals is not None else []
+        return pending[0] if pending else None
 
     def _signal_outcome(self, sig: int) -> Outcome:
         log.warning(
