@@ -146,6 +146,9 @@ def test_a_rule_that_cannot_start_is_given_back_and_resumes_once_fixed(
     done = store.get(rec.id)
     assert done is not None and done.state == "finished_verified", done and done.detail
     assert done.calls_used == 2 and spent(env) == (1, 1)
+    # The receipts say the same: three steps finished, one of them given back.
+    seen = kinds(r, namespace, rec.id)
+    assert (seen.count("step_finished"), seen.count("envelope_refunded")) == (3, 1)
 
 
 # --- an agent that cannot start costs nothing, in the task and in the envelope ---------------
