@@ -215,3 +215,44 @@ def test_up_and_the_coordinator_take_a_known_task_with_its_branch(
     # The twin: `overnight submit` of the same file is told to rerun it.
     told = cli(wenv, "submit", str(folder / path.name))
     assert told.returncode == 64 and "overnight rerun known" in told.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_after_a_night_rerun_in_its_folder_and_the_next_up_runs_it(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    from tests.helpers import task_file
+
+    quiet = {
+        k: v for k, v in env.items() if k not in ("OVERNIGHT_REDIS_URL", "OVERNIGHT_NAMESPACE")
+    }
+    quiet["OVERNIGHT_STATE_DIR"] = str(tmp_path / "workspace")
+    here = tmp_path / "here"
+    here.mkdir()
+    tasks = tmp_path / "tasks"
+    two = "test $(wc -l < n.txt) -ge 2"
+    task_file(tasks, "again", ["sh", "-c", "echo x >> n.txt"], [["sh", "-c", two]], max_calls=2)
+
+    def up(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = [OVERNIGHT, "up", "--tasks", str(tasks), "--exit-when-done", "--workers", "1"]
+        return subprocess.run(
+            [*argv, *extra], cwd=here, env=quiet, capture_output=True, text=True, timeout=120
+        )
+
+    first = up("--budget", "10")
+    assert first.returncode == 5, first.stdout + first.stderr  # halted: it needs a person
+    rerun = subprocess.run(
+        [OVERNIGHT, "rerun", "again", "--budget", "4"],
+        cwd=here,
+        env=quiet,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert "overnight: reading the night started" in rerun.stderr
+    assert json.loads(rerun.stdout)["state"] == "queued"
+    second = up()
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (tasks / "again" / "n.txt").read_text() == "x\nx\n"

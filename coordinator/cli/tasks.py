@@ -119,6 +119,7 @@ def reconcile_command(task_id: str, action: str | None) -> None:
 
 
 @click.command("rerun")
+@night_option
 @click.argument("task_id")
 @click.option(
     "--budget",
@@ -139,7 +140,8 @@ def rerun_command(task_id: str, budget: int | None, from_base: bool) -> None:
     next turn, the first prompt naming the rules still unmet. Its calls_used goes on
     counting; it may use N more (--budget). Its deadline starts again. A worker (`overnight
     worker`, `up`) runs it. Refused (exit 2, one line) while it is live, or when its envelope
-    has no calls left. Prints the task's status JSON.
+    has no calls left. Prints the task's status JSON. With no Redis configured, it works on
+    the latest night `up` ran here (--state-dir), which the next `up` there runs.
     """
     from overnight.config.context import rq_connection
     from overnight.coordinator.tasks.runagain import RerunRefused, run_again
