@@ -7,13 +7,16 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from overnight.coordinator.night.record import Found, NightRecord, candidates, latest, use_night
+from tests import reachable
 from tests.helpers import OVERNIGHT, task_file, wait_for
 from tests.repos import sh
 
@@ -170,3 +173,38 @@ def test_a_night_is_read_while_it_runs_and_after_it_and_state_dir_picks_another(
     assert (
         missing.stderr == f"overnight: --state-dir {tmp_path / 'none'}: no night recorded there\n"
     )
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="root and setpriv")
+@pytest.mark.timeout(120)
+def test_a_night_another_user_ran_is_one_line_not_the_default_redis() -> None:
+    parent = Path(tempfile.mkdtemp(prefix="overnight-test-night-"))
+    try:
+        parent.chmod(0o755)
+        state = parent / ".overnight"
+        state.mkdir(mode=0o711)
+        state.chmod(0o711)
+        (state / "redis").mkdir(mode=0o700)
+        record = NightRecord(namespace="n", started=1.0, redis_dir=str(state / "redis"))
+        (state / "night.json").write_text(record.model_dump_json())
+        quiet = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
+        as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+        refused = subprocess.run(
+            [*as_nobody, reachable.overnight(), "status"],
+            cwd=parent,
+            env=quiet,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 64, refused.stderr
+        assert refused.stderr == (
+            "overnight: cannot read the night in .overnight: permission denied; "
+            "run this as the user who ran it\n"
+        )
+        # Its twin: the user who ran it reads that night (its Redis started on its data).
+        mine = run(parent, quiet, "status")
+        assert mine.returncode == 0 and json.loads(mine.stdout) == [], mine.stderr
+        assert "namespace 'n'" in reading_line(mine.stderr)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
