@@ -339,3 +339,30 @@ def _look_up_as(top: Path, tmp_path: Path, step_user: StepUser) -> None:
             assert command_problems(task, "/usr/bin:/bin", None) == []
         else:
             assert got == []
+
+
+def test_a_workdir_missing_from_the_worktree_is_named_at_run_time(
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    env, consume = envelope(r, namespace, 10)
+    repo = repo_with(tmp_path / "repo", "build/\n")
+    (repo / "build").mkdir()
+    path = task_file(repo, ["sh", "-c", "touch ok.txt"], ["true"], workdir=".")
+    loaded = load(path, tmp_path / "state")
+    assert loaded.base is not None and loaded.base.mode == "worktree"
+    # The folder was ignored after the task was loaded (as a base can move under a task).
+    moved = loaded.base.model_copy(update={"subdir": "build"})
+    task = loaded.model_copy(update={"base": moved, "workdir": str(repo / "build")})
+    store = TaskStore(r, Keys(namespace))
+    [rec] = store.create([task], queue="q")
+    config = LoopConfig(
+        claim_ttl=5,
+        prompt_dir=tmp_path / "prompts",
+        log_dir=tmp_path / "logs",
+        state_dir=tmp_path / "state",
+    )
+    TaskLoop(store, plain_runner, consume, config).run(rec.id, rec.attempt, Runner(worker="t"))
+    done = store.get(rec.id)
+    assert done is not None and done.state == "agent_failed", done and done.detail
+    assert "workdir build is ignored by git, so the task's worktree" in done.detail
+    assert done.calls_used == 0 and spent(env) == (0, 0)
