@@ -10,6 +10,7 @@ the workers of its queues to stop, and exits 0.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,7 +122,11 @@ def submit_folders(
     return out
 
 
-_leads: dict[tuple[int, str], RecoveryLead] = {}
+# Per client and namespace, this process's recovery lead (its token must stay the same
+# from one pass to the next for it to renew the lead it holds).
+_leads: weakref.WeakKeyDictionary[redis.Redis, dict[str, RecoveryLead]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> list[str]:
@@ -141,9 +146,10 @@ def maintain(client: redis.Redis, rq_conn: redis.Redis, settings: Settings) -> l
     REAPER.passes += 1
     REAPER.kills += len(report.actions)
     lines = [f"lease {a.lease_id}: {a.outcome}: {a.why}" for a in report.actions]
-    lead = _leads.get((id(client), keys.namespace))
+    mine = _leads.setdefault(client, {})
+    lead = mine.get(keys.namespace)
     if lead is None:
-        lead = _leads[(id(client), keys.namespace)] = RecoveryLead(client, keys, lead_ttl(settings))
+        lead = mine[keys.namespace] = RecoveryLead(client, keys, lead_ttl(settings))
     if lead.hold():
         lines += recover(client, rq_conn, keys, settings)
     return lines
