@@ -5,6 +5,7 @@ calls_used, its receipts and the shared envelope agree."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
+from overnight.coordinator.report.logs import print_logs
 from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig, TaskLoop
 from overnight.coordinator.tasks.steps import plain_runner
 from overnight.coordinator.tasks.store import Runner, TaskStore
@@ -108,6 +110,11 @@ def test_a_rule_command_not_on_path_pauses_before_it_is_charged(
     assert (rec.turns, rec.calls_used) == (1, 1)  # the agent ran; the rule was never charged
     assert spent(env) == (1, 0)
     assert "rule_cannot_start" in kinds(r, namespace, rec.id)
+    # `overnight logs` says it too, under the rule's step.
+    out = io.StringIO()
+    print_logs(tmp_path / "logs" / rec.id, out)
+    assert "==> turn 1 checks (" in out.getvalue()
+    assert "overnight: rule checks: command 'no-such-checker' was not found" in out.getvalue()
 
 
 def test_its_twin_with_the_command_installed_finishes(

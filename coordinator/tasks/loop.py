@@ -26,6 +26,7 @@ from overnight.coordinator.tasks.judge import begin, refused, request_id, step_n
 from overnight.coordinator.tasks.prepare import (
     LoopConfig,
     cannot_start,
+    say,
     step_request,
 )
 from overnight.coordinator.tasks.record import CheckedTree, Checkpoint, Next, Runner, TaskRecord
@@ -192,7 +193,8 @@ class TaskLoop:
             what = step_name(spec, cp.step)
             return Next(cp, PAUSED, f"cannot prepare the {what} step: {exc}")
         blocked = cannot_start(rec, cp, req, config, space)
-        if blocked is not None:  # before its call is charged
+        if blocked is not None:  # before its call is charged; `overnight logs` says why
+            say(req.log_path, f"overnight: {blocked.detail}")
             return blocked
         request = request_id(rec.id, rec.run, cp)
         started = begin(cp, spec, request, now)

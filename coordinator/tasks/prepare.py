@@ -237,3 +237,16 @@ def unstartable_agent(spec: TaskSpec, cwd: str, gateway_url: str | None) -> str 
             )
         return None
     return start_problem(spec.agent, cwd, path)
+
+
+def say(log_path: Path | None, line: str) -> None:
+    """Append overnight's own line to a step's log, so `overnight logs` shows why a step did
+    not run (a log that cannot be written costs the line, not the task)."""
+    if log_path is None:
+        return
+    try:
+        log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as fh:
+            fh.write(line.rstrip("\n") + "\n")
+    except OSError:
+        pass
