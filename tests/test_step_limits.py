@@ -19,6 +19,7 @@ from overnight.config.validate import size
 from overnight.worker.sandbox import bwrap, launch
 from overnight.worker.sandbox.limits import Limits, Sample, human, note, over, rlimit_args
 from overnight.worker.sandbox.stepuser import StepUser
+from tests import reachable
 from tests.helpers import final_doc
 
 MIB = 1024**2
@@ -251,3 +252,84 @@ def test_a_writer_stops_at_the_disk_limit(
     ), out
     code, doc, out = run(env, sandbox, worktree, {"disk": "24M"}, PY3, "-c", WRITER, "6")
     assert (code, doc["note"]) == (0, "worker-complete") and "wrote 6291456" in out, out
+
+
+# --- overnight as a plain user: the rlimit counts the uid, and binds only the step ---------
+
+MARKED_BOMB = """
+import os, sys, time
+marked = False
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(3600)
+            os._exit(0)
+    except OSError:
+        if not marked:
+            open(sys.argv[1], "w").write("full")
+            marked = True
+        time.sleep(0.05)
+"""
+
+SIBLING = """
+import os, sys, time
+mark, count = sys.argv[1], int(sys.argv[2])
+while not os.path.exists(mark):
+    time.sleep(0.05)
+children = []
+for _ in range(count):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.5)
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+print(f"sibling forked {count}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "off"])
+def test_a_plain_users_bomb_stops_and_its_own_processes_still_fork(
+    env: dict[str, str], step_user: StepUser, mode: str
+) -> None:
+    """overnight as a plain user (no step user): the step's fork bomb fills its rlimit and is
+    killed with the limit named, while another process of the same uid, outside the step's
+    tree (as overnight's own are), forks more than the limit meanwhile."""
+    if mode == "bwrap" and launch.find_bwrap() is None:
+        pytest.skip("bubblewrap is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("switches to a plain user: needs root")
+    stage = Path(f"/tmp/overnight-limits-plain-{uuid.uuid4().hex[:10]}")
+    stage.mkdir(mode=0o755)
+    os.chown(stage, step_user.uid, step_user.gid)
+    ids = [f"--reuid={step_user.uid}", f"--regid={step_user.gid}", "--clear-groups", "--"]
+    plain = {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"}
+    plain |= {"OVERNIGHT_SANDBOX": mode, "OVERNIGHT_STEP_PIDS": "40"}
+    mark = stage / "full"
+    try:
+        sibling = subprocess.Popen(
+            ["setpriv", *ids, PY3, "-c", SIBLING, str(mark), "60"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",
+        )
+        step = [PY3, "-c", MARKED_BOMB, str(mark)]
+        proc = subprocess.run(
+            ["setpriv", *ids, reachable.overnight(), "supervise", "--deadline", "90", "--", *step],
+            env=plain,
+            cwd=stage,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        out, _ = sibling.communicate(timeout=60)
+        doc = final_doc(proc.stdout)
+        assert mark.exists(), proc.stderr[-2000:]  # the step's own forks were refused
+        assert (proc.returncode, doc["note"]) == (
+            2,
+            "over-limit: process limit reached (40 processes)",
+        ), proc.stderr[-2000:]
+        assert "sibling forked 60" in out
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
