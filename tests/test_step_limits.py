@@ -333,3 +333,37 @@ def test_a_plain_users_bomb_stops_and_its_own_processes_still_fork(
         assert "sibling forked 60" in out
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+BURN = """
+import sys, time
+end = time.process_time() + float(sys.argv[1])
+while time.process_time() < end:
+    pass
+print("burnt", flush=True)
+"""
+OPENER = """
+import sys
+held = [open("/dev/null") for _ in range(int(sys.argv[1]))]
+print("opened", len(held), flush=True)
+"""
+
+
+def test_a_cpu_burner_stops_at_the_cpu_limit(
+    env: dict[str, str], sandbox: str, worktree: Path
+) -> None:
+    code, doc, out = run(env, sandbox, worktree, {"cpu": "2"}, PY3, "-c", BURN, "60")
+    assert (code, doc["note"]) == (2, "over-limit: CPU time limit reached (2 s in one process)"), (
+        out
+    )
+    code, doc, out = run(env, sandbox, worktree, {"cpu": "2"}, PY3, "-c", BURN, "0.2")
+    assert (code, doc["note"]) == (0, "worker-complete") and "burnt" in out, out
+
+
+def test_open_files_stop_at_the_open_files_limit(
+    env: dict[str, str], sandbox: str, worktree: Path
+) -> None:
+    code, _doc, out = run(env, sandbox, worktree, {"open_files": "64"}, PY3, "-c", OPENER, "200")
+    assert code != 0 and "Too many open files" in out, out
+    code, _doc, out = run(env, sandbox, worktree, {"open_files": "64"}, PY3, "-c", OPENER, "40")
+    assert code == 0 and "opened 40" in out, out
