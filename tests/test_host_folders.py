@@ -133,3 +133,37 @@ def test_a_night_under_a_umask_of_000_leaves_no_folder_open_to_all(
     assert any(p.name == "one" and p.parent.parent.name == "task-logs" for p in made)
     loose = [f"{p} {stat.filemode(p.stat().st_mode)}" for p in made if p.stat().st_mode & 0o002]
     assert loose == []
+
+
+@pytest.mark.timeout(60)
+def test_rq_worker_names_the_folder_it_cannot_use_at_start(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    rq = str(Path(OVERNIGHT).with_name("rq"))
+    argv = [rq, "worker", "-w", "overnight.coordinator.dispatch.OvernightWorker", "--burst"]
+    argv += ["--url", env["OVERNIGHT_REDIS_URL"], env["OVERNIGHT_NAMESPACE"]]
+    refused = subprocess.run(
+        argv,
+        env={**env, "OVERNIGHT_STATE_DIR": str(shared)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert refused.returncode == 78, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"overnight: cannot use {shared}: others can write it (mode drwxrwxrwx); "
+        "set OVERNIGHT_STATE_DIR to a folder of your own instead"
+    )
+    # Its twin: a folder of its own, and the same worker starts, finds no job and leaves.
+    ran = subprocess.run(
+        argv,
+        env={**env, "OVERNIGHT_STATE_DIR": str(tmp_path / "mine")},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert (tmp_path / "mine").is_dir()

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -55,6 +56,20 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _host_ready() -> None:
+    """The step user and this host's folders, as ``overnight worker`` checks them first: one
+    that cannot be used ends ``rq worker -w`` with the same one line (and exit status)."""
+    from overnight.config.exits import CommandError
+    from overnight.coordinator.workspace.hostdirs import prepare_host
+    from overnight.worker.sandbox.stepuser import configured
+
+    try:
+        prepare_host(current_settings(), configured())
+    except CommandError as exc:
+        print(f"overnight: {exc.message}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+
+
 class OvernightWorker(Worker):
     """An RQ worker for overnight tasks.
 
@@ -69,6 +84,7 @@ class OvernightWorker(Worker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         set_dumpable(False)  # `rq worker -w ...` does not come through overnight's CLI
+        _host_ready()  # likewise the check of its folders, before it takes any task
         super().__init__(*args, **kwargs)
         self._last_recovery: float | None = None
         self._last_log_prune: float | None = None
