@@ -24,12 +24,14 @@ import os
 import resource
 import shutil
 import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PROC_EVERY = 0.5  # seconds between looks at the tree's processes
 DISK_EVERY = 2.0  # seconds between looks at the writable trees (a walk of the worktree)
+WALK_SHARE = 20  # a big worktree is walked at most 1/20 of the time (its walk's cost x 20)
 CPU_SLACK = 5  # the rlimit's CPU seconds above the limit: the watch names it first
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -262,9 +264,10 @@ class Watch:
         self.limits = limits
         self.trees = tuple(trees) if limits.disk else ()
         self.mounts = tuple(mounts) if limits.disk else ()
-        self.base = sum(tree_bytes(t) for t in self.trees)
+        self.disk_every = DISK_EVERY
+        self.base = self._walk()
         self.proc_at = now + PROC_EVERY
-        self.disk_at = now + DISK_EVERY
+        self.disk_at = now + self.disk_every
         self.own_mnt = _mnt(os.getpid())
         self.last = Sample()
 
@@ -285,16 +288,22 @@ class Watch:
         count, rss, cpu = tree_usage(members)
         disk = None
         if now >= self.disk_at and (self.trees or self.mounts):
-            self.disk_at = now + DISK_EVERY
             disk = self._disk(members)
+            self.disk_at = now + self.disk_every
         elif now >= self.disk_at:
             self.disk_at = float("inf")
         self.proc_at = now + PROC_EVERY
         self.last = Sample(count, rss, cpu, disk)
         return over(self.limits, self.last)
 
+    def _walk(self) -> int:
+        started = time.monotonic()
+        total = sum(tree_bytes(t) for t in self.trees)
+        self.disk_every = max(DISK_EVERY, WALK_SHARE * (time.monotonic() - started))
+        return total
+
     def _disk(self, members: Iterable[int]) -> int:
-        grown = max(0, sum(tree_bytes(t) for t in self.trees) - self.base)
+        grown = max(0, self._walk() - self.base)
         if not self.mounts:
             return grown
         for pid in sorted(members, reverse=True):
