@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with (
         tempfile.TemporaryDirectory(prefix="overnight-bench-") as tmp,
-        EmbeddedRedis(Path(tmp) / "redis") as server,
+        EmbeddedRedis(Path(tmp) / "redis", password=uuid.uuid4().hex) as server,
     ):
         env = {
             k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_") or k in STEP_VARS
