@@ -76,6 +76,16 @@ def kill_quietly(pid: int, sig: int = 9) -> None:
         os.kill(pid, sig)
 
 
+def remove_demo_scratch(state: Path) -> None:
+    """Remove the scratch folders the demos run with ``--state-dir state`` made in the temp
+    folder (as root, where the step user could not enter ``state``), as ``make clean`` does."""
+    import shutil
+
+    for link in state.glob("demo/*/scratch"):
+        if link.is_symlink():
+            shutil.rmtree(os.readlink(link), ignore_errors=True)
+
+
 # --- overnight supervise ---------------------------------------------------------------
 
 

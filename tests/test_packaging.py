@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.helpers import ROOT, plant_shadows
+from tests.helpers import ROOT, plant_shadows, remove_demo_scratch
 
 # What a build leaves in a source tree or what never goes into a wheel; copying the rest
 # lets the build write its build/ and egg-info away from the checkout.
@@ -137,14 +137,17 @@ def test_wheel_installs_one_import_name_and_runs_the_demo_anywhere(tmp_path: Pat
     assert at_root.returncode == 0, at_root.stderr
     assert Path(at_root.stdout.strip()).is_relative_to(site)
 
-    demo = subprocess.run(
-        [str(venv / "bin" / "overnight"), "demo"],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    try:
+        demo = subprocess.run(
+            [str(venv / "bin" / "overnight"), "demo"],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        remove_demo_scratch(folder / ".overnight")
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "shadowed" not in demo.stdout + demo.stderr
     assert demo.stdout.count("as expected") == 4, demo.stdout

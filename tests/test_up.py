@@ -14,7 +14,7 @@ import redis
 
 from overnight.config.exits import EXIT_NEEDS_PERSON
 from overnight.worker.supervise import procs
-from tests.helpers import OVERNIGHT, ROOT, wait_for
+from tests.helpers import OVERNIGHT, ROOT, remove_demo_scratch, wait_for
 
 EXPECTED = {
     "greeting": "finished_verified",
@@ -39,14 +39,17 @@ def copy_examples(tmp_path: Path) -> Path:
 @pytest.mark.timeout(120)
 def test_demo_shows_the_four_outcomes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERNIGHT_")}
-    proc = subprocess.run(
-        [OVERNIGHT, "demo", "--state-dir", str(tmp_path / "state")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    try:
+        proc = subprocess.run(
+            [OVERNIGHT, "demo", "--state-dir", str(tmp_path / "state")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=110,
+        )
+    finally:
+        remove_demo_scratch(tmp_path / "state")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for task_id, state in EXPECTED.items():
         assert f"demo: {task_id}: {state} (as expected)" in proc.stdout
