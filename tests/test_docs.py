@@ -248,6 +248,8 @@ def test_readme_links_resolve() -> None:
     local = [link for link in links if "://" not in link]
     assert local, "README links to the docs"
     assert [link for link in local if not (ROOT / link).exists()] == []
+    pages = {f"docs/{p.name}" for p in doc_pages() if p.name != "index.md"}
+    assert sorted(pages - set(local)) == [], "README links to every page"
 
 
 def test_readme_is_a_door() -> None:
