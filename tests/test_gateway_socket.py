@@ -30,8 +30,9 @@ from overnight.worker.envelope.envelope import CallEnvelope
 from overnight.worker.gateway.grant import reach_problem
 from overnight.worker.gateway.peer import Listener, listeners, port_problem, socket_problem
 from overnight.worker.redisio.receipts import read
+from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.stepuser import StepUser
-from tests.helpers import OVERNIGHT, cli, pid_alive, task_file, wait_for, worker_env
+from tests.helpers import OVERNIGHT, cli, lacking, pid_alive, task_file, wait_for, worker_env
 from tests.helpers import upstream as upstream  # a fixture
 
 ANY6 = "0" * 32  # ::
@@ -156,7 +157,9 @@ def _gateway_children(parent: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sandbox", ["off", "bwrap"])
 def test_an_impostor_on_the_port_is_never_sent_a_token(
+    sandbox: str,
     env: dict[str, str],
     upstream: str,
     tmp_path: Path,
@@ -165,7 +168,9 @@ def test_an_impostor_on_the_port_is_never_sent_a_token(
     step_user: StepUser,
     request: pytest.FixtureRequest,
 ) -> None:
-    wenv = worker_env(env, OVERNIGHT_MODEL_URL=upstream)
+    if sandbox == "bwrap" and not launch.find_bwrap():
+        lacking("bubblewrap is not installed")
+    wenv = worker_env(env, OVERNIGHT_MODEL_URL=upstream, OVERNIGHT_SANDBOX=sandbox)
     port = int(wenv["OVERNIGHT_GATEWAY_PORT"])
     settings = load_settings(namespace=namespace)
     path = gateway_socket(namespace)
@@ -179,8 +184,11 @@ def test_an_impostor_on_the_port_is_never_sent_a_token(
     os.chmod(seen, 0o666)
     (corner / "impostor.py").write_text(IMPOSTOR)
     CallEnvelope(r, "default", namespace).reset(20)
-    (tmp_path / "agent.py").write_text(AGENT)
-    agent = [sys.executable, str(tmp_path / "agent.py")]
+    # In each task's own folder: a sandboxed step sees its worktree, not the test's folders.
+    for name in ("hostile", "benign"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "agent.py").write_text(AGENT)
+    agent = [sys.executable, "agent.py"]
     with open(log_path, "wb") as log:
         worker = subprocess.Popen(
             [OVERNIGHT, "worker"], env=wenv, stdin=subprocess.DEVNULL, stdout=log, stderr=log
@@ -221,10 +229,14 @@ def test_an_impostor_on_the_port_is_never_sent_a_token(
         )
         done = cli(wenv, "submit", "--wait", str(hostile))
         status = json.loads(cli(wenv, "status", "hostile", timeout=60).stdout)
-        assert status["state"] != "finished_verified", (status, done.stderr)
+        if sandbox == "off":  # the step's client speaks TCP only: it is not started
+            assert status["state"] != "finished_verified", (status, done.stderr)
+            assert "the gateway cannot be trusted" in log_path.read_text()
+        else:  # its sandbox binds the gateway's socket in: the real gateway answers it
+            shown = cli(wenv, "logs", "hostile", timeout=60).stdout[-3000:]
+            assert status["state"] == "finished_verified", (status, shown)
         said = seen.read_bytes()
         assert b"ovn-" not in said and b"PROMPT" not in said and b"Bearer" not in said, said
-        assert "the gateway cannot be trusted" in log_path.read_text()
 
         # The twin: the stranger leaves; the gateway takes its port back; a step is metered.
         impostor.kill()
@@ -238,7 +250,8 @@ def test_an_impostor_on_the_port_is_never_sent_a_token(
         status = json.loads(cli(wenv, "status", "benign", timeout=60).stdout)
         assert status["state"] == "finished_verified", (status, log_path.read_text()[-3000:])
         calls = [rc for rc in read(r, Keys(namespace)) if rc.kind == "model_call"]
-        assert [(rc.task_id, rc.data["tokens"]) for rc in calls] == [("benign", 11 + 7)]
+        metered = ["benign"] if sandbox == "off" else ["hostile", "benign"]
+        assert [(rc.task_id, rc.data["tokens"]) for rc in calls] == [(t, 11 + 7) for t in metered]
         assert b"ovn-" not in seen.read_bytes()
     finally:
         if impostor is not None:

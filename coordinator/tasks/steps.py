@@ -179,6 +179,16 @@ def start_problem(argv: list[str], cwd: str, path: str | None) -> str | None:
     return None
 
 
+def trusted_socket(namespace: str) -> str | None:
+    """The gateway's Unix socket for a sandbox to bind in, if overnight's own gateway answers
+    there (None: the step reaches the TCP port through a relay that checks who holds it)."""
+    from overnight.config.runtime import gateway_socket
+    from overnight.worker.gateway.peer import socket_problem
+
+    path = gateway_socket(namespace)
+    return str(path) if socket_problem(path) is None else None
+
+
 def supervised_runner(
     client: redis.Redis,
     keys: Keys,
@@ -215,6 +225,7 @@ def supervised_runner(
             readable=req.readable,
             network=req.network,
             limits=req.limits,
+            gateway_socket=trusted_socket(keys.namespace) if sandboxed and req.grant else None,
         )
         if sandboxed and req.network == "host":
             line = (
