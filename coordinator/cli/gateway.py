@@ -35,7 +35,9 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     OVERNIGHT_MODEL_URL) and POST /v1/messages, POST /v1/messages/count_tokens (to
     OVERNIGHT_ANTHROPIC_URL), HEAD /. A request needs a step's per-lease token as its API
     key; it is reserved from the task's caps and the shared envelope before it is
-    forwarded and committed from the response's usage after. Prints one line with the URL
+    forwarded and committed from the response's usage after. It listens on its Unix socket
+    (one per namespace, in a folder only this user writes: workers and sandboxed steps use
+    it) and on --host:--port for clients that cannot use a socket. Prints one line with both
     once it listens; SIGTERM or Ctrl-C stops it.
     """
     import redis
