@@ -9,18 +9,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 
 from overnight.config.keys import Keys
@@ -68,13 +65,6 @@ class Trap:
         return {**proxy, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
-@pytest.fixture
-def trap() -> Iterator[Trap]:
-    t = Trap()
-    yield t
-    t.sock.close()
-
-
 class Scripted:
     """Starts scripted upstreams: ``scripted(turns)`` plays the turns, one a completion
     request (with ``count="tools"`` a request offering no tools, such as a title, uses
@@ -88,26 +78,6 @@ class Scripted:
         script.write_text(json.dumps({"turns": turns, "count": count}))
         self.started += 1
         return self.stack.enter_context(scripted_upstream("--script", str(script)))
-
-
-@pytest.fixture
-def scripted(tmp_path: Path) -> Iterator[Scripted]:
-    with contextlib.ExitStack() as stack:
-        yield Scripted(tmp_path, stack)
-
-
-@pytest.fixture(params=[False, True], ids=["root", "step-user"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, StepUser | None]]:
-    """Where a task's files go and who its steps run as: root (the suite's default) in
-    tmp_path, or the step user, as in production, in a folder it can enter."""
-    if not request.param:
-        yield tmp_path, None
-        return
-    user = request.getfixturevalue("step_user")
-    base = Path(tempfile.mkdtemp(prefix="overnight-agent-", dir="/tmp"))
-    os.chmod(base, 0o711)
-    yield base, user
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def completions(upstream: str) -> list[dict[str, Any]]:
@@ -266,15 +236,3 @@ class Bench:
             for rc in read(self.r, Keys(self.namespace), task_id=task)
             if rc.kind == "step_finished" and rc.data.get("step") == "agent"
         ]
-
-
-@pytest.fixture
-def bench(
-    r: redis.Redis,
-    namespace: str,
-    env: dict[str, str],
-    tmp_path: Path,
-    trap: Trap,
-    scripted: Scripted,
-) -> Bench:
-    return Bench(r, namespace, env, tmp_path, trap, scripted)

@@ -19,7 +19,7 @@ from overnight.coordinator.night.embedded_redis import (
     find_redis_server,
 )
 from overnight.worker.sandbox.stepuser import StepUser, lookup
-from tests.helpers import lacking
+from tests.helpers import lacking, scripted_upstream
 
 # Tests run steps as whoever runs pytest (root in CI) unless they ask for the step user
 # (the `step_user` fixture): pytest's own tmp folders are root's and 0700, which a step
@@ -138,3 +138,10 @@ def env(
     full = {k: v for k, v in os.environ.items()}
     full["PYTHONUNBUFFERED"] = "1"
     return full
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    """The scripted upstream, one per test module."""
+    with scripted_upstream() as url:
+        yield url

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -22,6 +23,8 @@ from typing import Any, NoReturn, TypeVar
 
 import pytest
 import redis
+
+from overnight.coordinator.tasks.loop import CallRefused
 
 T = TypeVar("T")
 
@@ -212,13 +215,6 @@ def scripted_upstream(*args: str) -> Iterator[str]:
         proc.stdout.close()
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    """The scripted upstream, one per test module (import it there to use it)."""
-    with scripted_upstream() as url:
-        yield url
-
-
 def seen(url: str) -> list[dict[str, Any]]:
     """Every request the scripted upstream at ``url`` got, in order."""
     with urllib.request.urlopen(f"{url}/_seen", timeout=10) as answer:
@@ -364,3 +360,46 @@ def hold_full(client: redis.Redis, refusals: int, until: Callable[[], bool] = la
     wait_for(refused_enough, timeout=60, interval=0.05)
     for key in client.scan_iter("filler:*", count=1000):
         client.delete(key)
+
+
+class Budget:
+    """A stand-in for the shared envelope: n units, idempotent per request id."""
+
+    def __init__(self, n: int) -> None:
+        self.remaining = n
+        self.seen: set[str] = set()
+
+    def __call__(self, name: str, kind: str, request_id: str) -> None:
+        if request_id in self.seen:
+            return
+        if self.remaining <= 0:
+            raise CallRefused("envelope", f"envelope {name!r} empty; refused {kind} call")
+        self.remaining -= 1
+        self.seen.add(request_id)
+
+
+# An agent: sends N chat requests through the gateway its environment names (retrying a
+# gateway that is still starting), counts the answers, writes ok.txt, then waits.
+GATEWAY_AGENT = textwrap.dedent("""
+    import json, os, sys, time, urllib.request, urllib.error
+    times, wait = int(sys.argv[1]), float(sys.argv[2])
+    answered = 0
+    for _ in range(times):
+        req = urllib.request.Request(
+            os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+            data=json.dumps({"model": "m", "messages": []}).encode(),
+            headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                     "Content-Type": "application/json"})
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(req, timeout=30).read()
+                answered += 1
+                break
+            except urllib.error.HTTPError:
+                break
+            except urllib.error.URLError:
+                time.sleep(0.1)
+    print(f"answered {answered}", flush=True)
+    open("ok.txt", "w").write("ok")
+    time.sleep(wait)
+""")
