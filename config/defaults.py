@@ -13,6 +13,9 @@ NAMESPACE = "overnight"
 HEARTBEAT_GAP = 30.0
 DEADLINE = 180.0
 GRACE = 5.0
+# A running task's claim, renewed while its worker lives; lost steps before a task pauses.
+TASK_CLAIM_TTL = 15.0
+MAX_LOST_LEASES = 3
 SANDBOX = "off"
 MODEL_NAME = "gpt-4o-mini"
 MODEL_TIMEOUT = 60.0

@@ -77,10 +77,10 @@ class Settings(BaseSettings):
     # How often the reaper passes, and how long a reaper's host heartbeat lives without renewal.
     reaper_interval: float = Field(2.0, gt=0)
     reaper_host_ttl: float = Field(defaults.REAPER_HOST_TTL, gt=0)
-    max_lost_leases: int = Field(3, ge=1)
+    max_lost_leases: int = Field(defaults.MAX_LOST_LEASES, ge=1)
     # A task's claim lapses this long after its worker stopped renewing it (the worker died);
     # recovery passes (in every `overnight worker`) look for such tasks this often.
-    task_claim_ttl: float = Field(15.0, gt=0)
+    task_claim_ttl: float = Field(defaults.TASK_CLAIM_TTL, gt=0)
     recovery_interval: float = Field(5.0, gt=0)
     # Seconds everything a finished task leaves (record, receipts, RQ job and result, lease
     # documents) is kept; receipts older than this are trimmed.

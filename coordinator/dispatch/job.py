@@ -20,6 +20,7 @@ import redis
 
 # Imported here so a forked work horse finds them loaded and starts each task at once.
 from overnight.config.context import settings as current_settings
+from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.coordinator.dispatch.job_config import envelope_consume, loop_config
 from overnight.coordinator.dispatch.recovery import recover
@@ -56,7 +57,7 @@ def text_client(conn: redis.Redis) -> redis.Redis:
     return found
 
 
-class TaskNotVerified(Exception):
+class TaskNotVerified(OvernightError):
     """What the RQ job of a task that did not end finished_verified raises, so that RQ marks
     the job failed (``rq info``, rq-dashboard, the FailedJobRegistry) with the task's state
     and detail as the reason, instead of listing it with the verified ones as finished."""

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import redis
 
+from overnight.config.errors import OvernightError
 from overnight.coordinator import agents
 from overnight.coordinator.tasks import stop
 from overnight.coordinator.tasks.judge import begin, refused, request_id, step_name
@@ -54,7 +55,7 @@ __all__ = ["CallRefused", "Consume", "LoopConfig", "LoopEnd", "TaskLoop"]
 log = logging.getLogger("overnight.loop")
 
 
-class CallRefused(Exception):
+class CallRefused(OvernightError):
     """A call was refused: ``who`` is ``task`` (its max_calls) or ``envelope``."""
 
     def __init__(self, who: str, detail: str) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overnight.config import defaults
 from overnight.config.spawn import python_module
 from overnight.coordinator import agents
 from overnight.coordinator.tasks import model_step, stop
@@ -31,11 +32,11 @@ MODEL_STEP = python_module("overnight.coordinator.tasks.model_step")
 class LoopConfig:
     """Knobs from settings that the loop needs."""
 
-    default_deadline: float = 180.0
-    default_gap: float = 30.0
-    grace: float = 5.0
-    claim_ttl: float = 15.0
-    max_lost_leases: int = 3
+    default_deadline: float = defaults.DEADLINE
+    default_gap: float = defaults.HEARTBEAT_GAP
+    grace: float = defaults.GRACE
+    claim_ttl: float = defaults.TASK_CLAIM_TTL
+    max_lost_leases: int = defaults.MAX_LOST_LEASES
     prompt_dir: Path = Path("/tmp/overnight")
     # Each task's step output is kept under log_dir/<task id>/ (None: not kept on disk).
     log_dir: Path | None = None

@@ -34,7 +34,45 @@ REFUSALS = [
     ("overnight.coordinator.workspace.worktree", "GitError", Exception),
     ("overnight.coordinator.workspace.taskspace", "WorkspaceError", Exception),
     ("overnight.coordinator.night.embedded_redis", "RedisBinaryMissing", RuntimeError),
+    ("overnight.coordinator.tasks.loop", "CallRefused", Exception),
+    ("overnight.coordinator.dispatch.job", "TaskNotVerified", Exception),
+    ("overnight.coordinator.tasks.runagain", "RerunRefused", Exception),
 ]
+
+
+def _project_exceptions() -> list[type[BaseException]]:
+    """Every exception class a module of the package defines (not one it imports)."""
+    import pkgutil
+
+    found = []
+    for info in pkgutil.walk_packages(overnight.__path__, "overnight."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, BaseException)
+                and value.__module__ == info.name
+            ):
+                found.append(value)
+    return found
+
+
+def test_no_exception_class_is_left_outside_the_root() -> None:
+    classes = _project_exceptions()
+    assert len(classes) >= len(REFUSALS)
+    outside = sorted(
+        f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, OvernightError)
+    )
+    assert outside == []
+    listed = {getattr(importlib.import_module(m), n) for m, n, _ in REFUSALS}
+    unlisted = sorted(
+        f"{c.__module__}.{c.__qualname__}"
+        for c in classes
+        if c not in listed and c is not OvernightError
+    )
+    assert unlisted == [], "add them to REFUSALS with the base a caller may catch them by"
 
 
 @pytest.mark.parametrize(("module", "name", "base"), REFUSALS)
