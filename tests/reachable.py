@@ -110,6 +110,13 @@ def _replace(path: Path, data: bytes) -> None:
     path.chmod(mode)
 
 
+def source_for_others() -> Path:
+    """The folder holding the ``overnight`` package that another user can import from: the
+    checkout's ``src``, or this session's copy."""
+    src = ROOT / "src"
+    return src if others_can_enter(src) else _copy().parent / "src"
+
+
 def venv_for_others() -> Path:
     """The venv another user can run: the checkout's, or this session's copy."""
     interpreter = Path(os.path.realpath(sys.executable))

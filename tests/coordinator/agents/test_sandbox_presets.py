@@ -15,7 +15,7 @@ import pytest
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.stepuser import StepUser
 from tests.agent_tasks import FIX, Bench, completions
-from tests.helpers import capability
+from tests.helpers import capability, lacking
 
 HOSTNAME = "overnight-sandbox"  # what bwrap's --hostname names inside
 # git reads work on the worktree inside (its repository bound read-only), else no fix.
@@ -51,7 +51,7 @@ def test_a_preset_fixes_and_verifies_in_its_sandbox(
     bench: Bench, agent: str, where: tuple[Path, StepUser | None]
 ) -> None:
     if shutil.which(PROGRAMS[agent]) is None:
-        pytest.skip(f"{agent} is not installed")
+        lacking(f"{agent} is not installed")
     replies, keys = CASES[agent]
     bench.env = {**bench.env, "OVERNIGHT_SANDBOX": "bwrap"}
     upstream = bench.scripted(replies, count="tools") if agent == "claude" else None

@@ -19,7 +19,7 @@ from overnight.coordinator.tasks.taskfile import TaskLimits, TaskSpec
 from overnight.worker.envelope.envelope import CallEnvelope
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.limits import Limits, apply_cgroup
-from tests.helpers import run_burst, task_file, worker_env
+from tests.helpers import lacking, run_burst, task_file, worker_env
 
 MIB = 1024**2
 
@@ -119,7 +119,7 @@ def test_a_fork_bombing_agent_is_stopped_and_told(
 ) -> None:
     CallEnvelope(r, "default", namespace).reset(100)
     if sandbox == "bwrap" and launch.find_bwrap() is None:
-        pytest.skip("bubblewrap is not installed")
+        lacking("bubblewrap is not installed")
     (tmp_path / "bomb").mkdir()
     (tmp_path / "bomb" / "agent.py").write_text(AGENT)
     agent = [sys.executable, "agent.py"]

@@ -30,12 +30,12 @@ from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.stepuser import StepUser
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
-from tests.helpers import wait_for
+from tests.helpers import capability, wait_for
 
 PY3 = "/usr/bin/python3"
 pytestmark = [
-    pytest.mark.skipif(launch.find_bwrap() is None, reason="bubblewrap is not installed"),
-    pytest.mark.skipif(not os.access(PY3, os.X_OK), reason="no system python3"),
+    capability(None if launch.find_bwrap() else "bubblewrap is not installed"),
+    capability(None if os.access(PY3, os.X_OK) else "no system python3"),
     pytest.mark.skipif(os.geteuid() != 0, reason="runs steps as the step user: needs root"),
 ]
 

@@ -9,20 +9,28 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-import overnight
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.stepuser import StepUser
+from tests.helpers import capability
+from tests.reachable import source_for_others
 
 PY3 = "/usr/bin/python3"
-SOURCE = str(Path(overnight.__file__).resolve().parent.parent)  # the folder holding overnight/
 pytestmark = [
-    pytest.mark.skipif(launch.find_bwrap() is None, reason="bubblewrap is not installed"),
-    pytest.mark.skipif(not os.access(PY3, os.X_OK), reason="no system python3"),
+    capability(None if launch.find_bwrap() else "bubblewrap is not installed"),
+    capability(None if os.access(PY3, os.X_OK) else "no system python3"),
 ]
+
+
+@cache
+def source() -> str:
+    """Where the plain user imports overnight from (the checkout may be closed to it)."""
+    return str(source_for_others())
+
 
 # Run by the plain user: launch CMD in its sandbox (argv[1] "bwrap") or plainly ("off").
 LAUNCHER = """
@@ -56,7 +64,7 @@ def as_plain_user(
 ) -> subprocess.CompletedProcess[str]:
     ids = [f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups"]
     return subprocess.run(
-        ["setpriv", *ids, "--", PY3, "-I", "-c", LAUNCHER, mode, str(wt), cmd, SOURCE],
+        ["setpriv", *ids, "--", PY3, "-I", "-c", LAUNCHER, mode, str(wt), cmd, source()],
         env={"PATH": launch.SYSTEM_PATH, "HOME": "/nonexistent"},
         cwd="/",
         capture_output=True,
@@ -76,15 +84,14 @@ def test_a_plain_users_step_sees_its_worktree_only(step_user: StepUser, place: P
             PY3,
             "-I",
             "-c",
-            f"import sys; sys.path.insert(0, {SOURCE!r}); import overnight.worker.sandbox.launch",
+            f"import sys; sys.path.insert(0, {source()!r}); import overnight.worker.sandbox.launch",
         ],
         env={"PATH": launch.SYSTEM_PATH},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    if probe.returncode != 0:
-        pytest.skip(f"the plain user cannot import overnight from {SOURCE}: {probe.stderr[-200:]}")
+    assert probe.returncode == 0, f"the plain user cannot import overnight: {probe.stderr[-300:]}"
     secret = place / "mine" / "notes.txt"
     secret.write_text("PLAIN-USER-SECRET\n")
     os.chown(secret, step_user.uid, step_user.gid)

@@ -11,7 +11,7 @@ import pytest
 
 from overnight.config.validate import read_fast, sandbox_mode
 from overnight.worker.sandbox import launch
-from tests.helpers import OVERNIGHT
+from tests.helpers import OVERNIGHT, lacking
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_supervise_exits_78_in_one_line_when_no_sandbox_can_start(
         argv = [sys.executable, "-c", WITHOUT_BWRAP]
     else:
         if launch.find_bwrap() is None:
-            pytest.skip("bubblewrap is not installed")
+            lacking("bubblewrap is not installed")
         argv = [OVERNIGHT]
     done = subprocess.run(
         [*argv, "supervise", "--quiet", "--", "echo", "step-ran"],
@@ -85,7 +85,7 @@ def test_a_step_run_from_a_host_folder_is_not_started(
     read-write: the step does not start (126) and one line says why; from a folder of its
     own the same step runs (the twin)."""
     if launch.find_bwrap() is None:
-        pytest.skip("bubblewrap is not installed")
+        lacking("bubblewrap is not installed")
     step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
     argv = [OVERNIGHT, "supervise", "--quiet", "--", "echo", "step-ran"]
     done = subprocess.run(argv, env=step_env, cwd=where, capture_output=True, text=True, timeout=60)

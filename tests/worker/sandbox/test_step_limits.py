@@ -20,7 +20,7 @@ from overnight.worker.sandbox import bwrap, launch
 from overnight.worker.sandbox.limits import Limits, Sample, human, note, over, rlimit_args
 from overnight.worker.sandbox.stepuser import StepUser
 from tests import reachable
-from tests.helpers import final_doc
+from tests.helpers import final_doc, lacking
 
 MIB = 1024**2
 PY3 = "/usr/bin/python3"
@@ -172,7 +172,7 @@ print("wrote", written, flush=True)
 def sandbox(request: pytest.FixtureRequest) -> str:
     mode = str(request.param)
     if mode == "bwrap" and launch.find_bwrap() is None:
-        pytest.skip("bubblewrap is not installed")
+        lacking("bubblewrap is not installed")
     return mode
 
 
@@ -297,7 +297,7 @@ def test_a_plain_users_bomb_stops_and_its_own_processes_still_fork(
     killed with the limit named, while another process of the same uid, outside the step's
     tree (as overnight's own are), forks more than the limit meanwhile."""
     if mode == "bwrap" and launch.find_bwrap() is None:
-        pytest.skip("bubblewrap is not installed")
+        lacking("bubblewrap is not installed")
     if os.geteuid() != 0:
         pytest.skip("switches to a plain user: needs root")
     stage = Path(f"/tmp/overnight-limits-plain-{uuid.uuid4().hex[:10]}")
