@@ -252,6 +252,15 @@ def test_readme_links_resolve() -> None:
     assert sorted(pages - set(local)) == [], "README links to every page"
 
 
+def test_every_repository_path_in_the_docs_exists() -> None:
+    """A file or folder of the checkout named in code (`tests/…`, `worker/…`) is there."""
+    top = ("tests/", "worker/", "coordinator/", "config/", "bench/", ".ci/", "src/", "docs/")
+    named = re.findall(r"`([\w./-]+)`", all_docs_text())
+    paths = {n for n in named if n.startswith(top)}
+    assert paths, "the docs name files of the checkout"
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
 def test_readme_is_a_door() -> None:
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES
