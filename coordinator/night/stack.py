@@ -46,6 +46,12 @@ class _Tagged(Tree):
         return procs.tagged(UP_TAG, self.up_id, table)
 
 
+def _stop_with_up() -> None:
+    """A member is asked to stop (SIGTERM: a worker's warm stop) when ``up`` dies without
+    stopping it, as when ``up`` is SIGKILLed: nothing of the night is left running."""
+    procs.set_pdeathsig(signal.SIGTERM)
+
+
 @dataclass
 class Stack:
     """Processes of one ``overnight up``: an optional embedded Redis, a reaper, N workers."""
@@ -92,6 +98,7 @@ class Stack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_stop_with_up,
             )
         self.procs = [(n, p) for n, p in self.procs if n != name]
         self.procs.append((name, proc))

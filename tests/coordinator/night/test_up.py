@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -134,6 +136,40 @@ def test_second_up_refuses_and_sigterm_stops_everything(
             first.kill()
     assert first.returncode == 128 + signal.SIGTERM, err
     wait_for(lambda: processes_with("OVERNIGHT_NAMESPACE", namespace) == [], timeout=10)
+
+
+def test_a_killed_up_leaves_nothing_of_its_night_running(
+    tmp_path: Path, env: dict[str, str], namespace: str
+) -> None:
+    tasks = copy_examples(tmp_path)
+    up = subprocess.Popen(
+        [OVERNIGHT, "up", "--tasks", str(tasks / "03-hangs"), "--budget", "10"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    work = str(tasks / "03-hangs" / "work")
+
+    def agents() -> list[int]:
+        found = []
+        for proc in psutil.process_iter(["cmdline", "cwd"]):
+            with contextlib.suppress(psutil.Error):
+                if "../agent.py" in (proc.info["cmdline"] or []) and (
+                    proc.info["cwd"] or ""
+                ).startswith(work):
+                    found.append(proc.pid)
+        return found
+
+    try:
+        # Its reaper and workers run, and the hanging agent under one of them.
+        wait_for(agents, timeout=60, interval=0.1)
+        assert len(processes_with("OVERNIGHT_NAMESPACE", namespace)) >= 3
+    finally:
+        up.kill()
+        up.wait(10)
+    wait_for(lambda: processes_with("OVERNIGHT_NAMESPACE", namespace) == [], timeout=60)
+    wait_for(lambda: agents() == [], timeout=30)
 
 
 def test_up_help_explains() -> None:
