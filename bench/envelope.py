@@ -11,6 +11,7 @@ import argparse
 import multiprocessing as mp
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     server_us: dict[str, list[float]] = {mode: [] for mode in MODES}
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp)) as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(Path(tmp), password=uuid.uuid4().hex) as server,
+    ):
         _prepare(server.url)
         probe = redis.Redis.from_url(server.url, decode_responses=True)
         for _ in range(args.rounds):

@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -179,7 +180,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--litellm", metavar="BIN", help="also measure LiteLLM's proxy")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(Path(tmp) / "redis", password=uuid.uuid4().hex) as server,
+    ):
         up = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
         assert up.stdout is not None
         direct = f"http://127.0.0.1:{up.stdout.readline().split()[1]}"

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,7 +332,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-hosts-"))
     ok = True
     try:
-        with EmbeddedRedis(work / "redis") as server:
+        with EmbeddedRedis(work / "redis", password=uuid.uuid4().hex) as server:
             print("beats and a lost host:")
             before, reapers, after, ended_in = beats_and_loss(server.url, args)
             per_beat = (before.share - reapers.share) / before.beats if before.beats else 0.0

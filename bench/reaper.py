@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-reaper-"))
     ok = True
     try:
-        with EmbeddedRedis(work / "redis") as server:
+        with EmbeddedRedis(work / "redis", password=uuid.uuid4().hex) as server:
             if not args.skip_latency:
                 lat = orphan_latency(server, args.runs, args.gap, args.interval, work)
                 # The reaper hears the liveness key lapse (keyspace events): no interval.

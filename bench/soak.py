@@ -445,7 +445,7 @@ def run_soak(
     """Run one soak on a private redis-server in a temporary directory."""
     work = Path(tempfile.mkdtemp(prefix="overnight-soak-"))
     seed = random.randrange(2**32) if seed is None else seed
-    server = EmbeddedRedis(work / "redis", appendonly=True)
+    server = EmbeddedRedis(work / "redis", appendonly=True, password=uuid.uuid4().hex)
     server.start()
     try:
         soak = Soak(server, work, workers, seed)

@@ -101,7 +101,10 @@ def main() -> int:
     parser.add_argument("--lead", type=float, default=15.0, help="seconds from launch to stop")
     args = parser.parse_args()
     worst = 0.0
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(Path(tmp) / "redis", password=uuid.uuid4().hex) as server,
+    ):
         Path(tmp).chmod(0o755)
         for i in range(args.rounds):
             step_end, up_exit = one_round(server.url, args.grace, args.lead, Path(tmp))

@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-supervise-") as tmp:
         work = Path(tmp)
-        server = EmbeddedRedis(work / "redis")
+        server = EmbeddedRedis(work / "redis", password=uuid.uuid4().hex)
         server.start()
         try:
             env = {

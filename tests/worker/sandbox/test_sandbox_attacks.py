@@ -81,10 +81,13 @@ def test_no_other_worktree_state_folder_or_run_overnight(
     (other / "secret.txt").write_text("OTHER-TASK-SECRET\n")
     (other / "secret.txt").chmod(0o644)
     run_dir = Path("/run/overnight")
-    run_dir.mkdir(exist_ok=True)
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    run_mode = run_dir.stat().st_mode & 0o7777
     probe = run_dir / f"probe-{uuid.uuid4().hex[:8]}"
     probe.write_text("RUN-SECRET\n")
     probe.chmod(0o644)
+    # Open for this test alone (the benign twin reads it as any user could); overnight's
+    # own supervisors refuse a /run/overnight that is not private, so it is put back.
     os.chmod(run_dir, 0o755)
     (place / "wt" / "mine.txt").write_text("MY-OWN-FILE\n")
     (place / "wt" / "mine.txt").chmod(0o644)
@@ -104,6 +107,7 @@ def test_no_other_worktree_state_folder_or_run_overnight(
         assert "other-task" in out.split("LS:")[1]
     finally:
         probe.unlink()
+        os.chmod(run_dir, run_mode)
 
 
 def test_no_other_steps_environment_or_signals(env: dict[str, str], who: str, place: Path) -> None:
