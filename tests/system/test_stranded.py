@@ -137,19 +137,25 @@ def test_a_maxmemory_stall_strands_no_task(
     # (ten minutes and more), so this still tells the two apart.
     bound = 300.0
 
-    def all_verified() -> bool:
-        return all(s == "finished_verified" for s in _states(tenv).values())
+    # Settled: verified, or paused for a person where a step in flight met the stall and its
+    # outcome is unknown (on_unknown = "pause", by design). Never still queued or running.
+    settled = {"finished_verified", "paused_for_reconciliation"}
+
+    def all_settled() -> bool:
+        return all(s in settled for s in _states(tenv).values())
 
     try:
-        wait_for(all_verified, timeout=bound, interval=1.0)
+        wait_for(all_settled, timeout=bound, interval=1.0)
     except AssertionError:
-        stuck = {k: v for k, v in _states(tenv).items() if v != "finished_verified"}
+        stuck = {k: v for k, v in _states(tenv).items() if v not in settled}
         raise AssertionError(
-            f"{len(stuck)} task(s) not verified {bound:.0f} s after the stall: "
+            f"{len(stuck)} task(s) not settled {bound:.0f} s after the stall: "
             f"{sorted(stuck.items())[:10]}"
         ) from None
     total = sum(int(json.loads(_cli(tenv, "status", i).stdout)["calls_used"]) for i in ids)
     env_state = json.loads(_cli(tenv, "envelope", "status").stdout)
     consumed = int(env_state["consumed_model"]) + int(env_state["consumed_tool"])
     assert consumed == total >= TASKS
+    states = list(_states(tenv).values())
+    assert states.count("finished_verified") > TASKS // 2, states
     assert [p.poll() for p in procs] == [None, None, None]
