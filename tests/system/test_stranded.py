@@ -3,7 +3,7 @@ pass, whatever Redis did meanwhile.
 
 Two hundred short tasks, two workers and a reaper on a private Redis that hits maxmemory
 (noeviction) for fifteen seconds while the night runs; once the ceiling lifts, every task
-ends verified and the books balance.
+settles (verified, or paused where its step's outcome is unknown) and the books balance.
 """
 
 from __future__ import annotations
