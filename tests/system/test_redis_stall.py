@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +60,6 @@ def small_redis(redis_factory: Callable[..., EmbeddedRedis]) -> EmbeddedRedis:
         password=uuid.uuid4().hex,
         extra_args=["--maxmemory", "24mb", "--maxmemory-policy", "noeviction"],
     )
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
