@@ -1,9 +1,11 @@
 """The network bridge started inside a step's sandbox, before the step: it listens on the
 loopback port the step's ``base_url`` names and forwards each connection to the gateway's
-Unix socket bound into the sandbox. The network namespace has nothing else.
+Unix socket bound into the sandbox (and, for a task with ``allow_hosts``, on the proxy's
+port to the proxy's socket). The network namespace has nothing else.
 
-Run as ``python3 -I -S -c SOURCE PORT SOCKET -- ARGV...`` (standard library only, so any
-system Python runs it and nothing of overnight needs to be visible inside): it listens,
+Run as ``python3 -I -S -c SOURCE PORT SOCKET [PORT SOCKET]... -- ARGV...`` (standard
+library only, so any system Python runs it and nothing of overnight needs to be visible
+inside): it listens,
 leaves a server process behind (reparented to the sandbox's init, so the step never waits
 for it), then becomes the step by ``exec``. The server dies with the sandbox's pid
 namespace when the step ends.
@@ -57,29 +59,42 @@ def _listeners(port: int) -> list[socket.socket]:
     return found
 
 
+def _forwards(args: list[str]) -> tuple[list[tuple[int, str]], list[str]] | None:
+    if "--" not in args:
+        return None
+    cut = args.index("--")
+    pairs, argv = args[:cut], args[cut + 1 :]
+    if not pairs or len(pairs) % 2 or not argv or not all(p.isdigit() for p in pairs[::2]):
+        return None
+    return [(int(pairs[i]), pairs[i + 1]) for i in range(0, len(pairs), 2)], argv
+
+
 def main(args: list[str]) -> None:
-    """``PORT SOCKET -- ARGV...``: start the bridge, then become ARGV."""
-    if len(args) < 4 or args[2] != "--":
-        sys.stderr.write("overnight bridge: usage: PORT SOCKET -- ARGV...\n")
+    """``PORT SOCKET [PORT SOCKET]... -- ARGV...``: start the bridge, then become ARGV."""
+    parsed = _forwards(args)
+    if parsed is None:
+        sys.stderr.write("overnight bridge: usage: PORT SOCKET [PORT SOCKET]... -- ARGV...\n")
         os._exit(125)
-    port, path, argv = int(args[0]), args[1], args[3:]
-    try:
-        listeners = _listeners(port)
-    except OSError as exc:
-        sys.stderr.write(f"overnight bridge: cannot listen on 127.0.0.1:{port}: {exc}\n")
-        os._exit(125)
+    forwards, argv = parsed
+    served: list[tuple[socket.socket, str]] = []
+    for port, path in forwards:
+        try:
+            served += [(listener, path) for listener in _listeners(port)]
+        except OSError as exc:
+            sys.stderr.write(f"overnight bridge: cannot listen on 127.0.0.1:{port}: {exc}\n")
+            os._exit(125)
     first = os.fork()
     if first == 0:
         if os.fork() == 0:
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
-            for extra in listeners[1:]:
-                threading.Thread(target=_serve, args=(extra, path), daemon=True).start()
-            _serve(listeners[0], path)
+            for listener, path in served[1:]:
+                threading.Thread(target=_serve, args=(listener, path), daemon=True).start()
+            _serve(*served[0])
         os._exit(0)
     os.waitpid(first, 0)
-    for listener in listeners:
+    for listener, _path in served:
         listener.close()
     try:
         os.execvp(argv[0], argv)

@@ -12,7 +12,8 @@ What the step sees (and nothing else of the host):
   ``/dev``;
 - its own pid, IPC, UTS and network namespaces: inside the network namespace only loopback
   exists, and a bridge (:mod:`worker.sandbox.bridge`) started before the step forwards the
-  loopback port the step's ``base_url`` names to the gateway's Unix socket, bound in.
+  loopback port the step's ``base_url`` names to the gateway's Unix socket, bound in (and,
+  for a task with ``allow_hosts``, a second port to its proxy's socket).
 
 As root, the step's uid is taken before bwrap starts (``setpriv``), so bwrap runs
 unprivileged through a user namespace and the step is the same uid outside (its files are
@@ -33,6 +34,7 @@ SYSTEM_TOP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "o
 HOST_TOP = ("proc", "sys", "dev", "run", "boot")
 SHARED = ("/tmp", "/var", "/var/tmp", "/home", "/root", "/srv", "/mnt", "/media")
 GATEWAY_SOCKET = "/run/gateway/socket"  # where the gateway's Unix socket is bound inside
+PROXY_SOCKET = "/run/proxy/socket"  # where the step's allow_hosts proxy is bound inside
 TMPFS_PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
 
 
@@ -55,7 +57,7 @@ class SandboxSpec:
     uid. ``unprivileged``: bwrap runs as a uid other than 0 (always, with ``switch_uid``).
     ``passwd_fd``/``group_fd`` hold the generated files. ``bridge`` is the argv prefix
     of the network bridge (its program and arguments up to the step's own argv), set when
-    ``gateway_socket`` and ``gateway_port`` are.
+    ``gateway_socket`` and ``gateway_port`` are, or ``proxy_socket`` and ``proxy_port``.
     """
 
     argv: tuple[str, ...]
@@ -81,6 +83,8 @@ class SandboxSpec:
     network: Network = "none"
     gateway_socket: str | None = None
     gateway_port: int | None = None
+    proxy_socket: str | None = None
+    proxy_port: int | None = None
     bridge: tuple[str, ...] = ()
     bwrap: str = "bwrap"
     setpriv: str = "setpriv"
@@ -130,12 +134,29 @@ def _parents(rel: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def _forwards(spec: SandboxSpec) -> list[tuple[str, str, int]]:
+    """(socket outside, socket inside, loopback port) for each socket the bridge serves."""
+    if spec.network == "host":
+        return []
+    if (spec.gateway_socket is None) != (spec.gateway_port is None):
+        raise ValueError("a gateway needs both its socket and its port")
+    if (spec.proxy_socket is None) != (spec.proxy_port is None):
+        raise ValueError("a proxy needs both its socket and its port")
+    found = []
+    if spec.gateway_socket is not None and spec.gateway_port is not None:
+        found.append((spec.gateway_socket, GATEWAY_SOCKET, spec.gateway_port))
+    if spec.proxy_socket is not None and spec.proxy_port is not None:
+        found.append((spec.proxy_socket, PROXY_SOCKET, spec.proxy_port))
+    if found and not spec.bridge:
+        raise ValueError("a gateway or proxy needs the bridge's argv")
+    if len({port for _, _, port in found}) < len(found):
+        raise ValueError("the gateway and the proxy need ports of their own")
+    return found
+
+
 def launch_argv(spec: SandboxSpec) -> list[str]:
     """The full argv that starts ``spec.argv`` in its sandbox."""
-    if spec.network == "none" and (spec.gateway_socket is None) != (spec.gateway_port is None):
-        raise ValueError("a gateway needs both its socket and its port")
-    if spec.network == "none" and spec.gateway_socket is not None and not spec.bridge:
-        raise ValueError("a gateway needs the bridge's argv")
+    forwards = _forwards(spec)
     for path in (spec.worktree, *spec.writable):
         problem = writable_problem(path)
         if problem is not None:
@@ -184,10 +205,13 @@ def launch_argv(spec: SandboxSpec) -> list[str]:
         argv += ["--ro-bind", path, path]
     for path in spec.sockets:
         argv += ["--ro-bind", path, path]
-    if spec.network != "host" and spec.gateway_socket is not None:
-        argv += ["--ro-bind", spec.gateway_socket, GATEWAY_SOCKET]
+    for outside, inside, _port in forwards:
+        argv += ["--ro-bind", outside, inside]
     argv += [*spec.extra, "--chdir", spec.cwd, "--"]
-    if spec.network != "host" and spec.gateway_socket is not None:
-        argv += [*spec.bridge, str(spec.gateway_port), GATEWAY_SOCKET, "--"]
+    if forwards:
+        argv += list(spec.bridge)
+        for _outside, inside, port in forwards:
+            argv += [str(port), inside]
+        argv.append("--")
     argv += spec.argv
     return argv

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from overnight.config.exits import EXIT_BAD_CONFIG, CommandError
 from overnight.worker.sandbox import bwrap
+from overnight.worker.sandbox.proxy import proxy_env
 from overnight.worker.sandbox.stepuser import reach_problem
 
 if TYPE_CHECKING:
@@ -212,7 +213,8 @@ def prepare(
     tmpfs_size: int = 0,
 ) -> Prepared:
     """The launch of ``argv`` in its sandbox, as ``user`` (None: this process's user).
-    Raises :class:`SandboxUnavailable` without bwrap (or, for a gateway, a system Python)."""
+    Raises :class:`SandboxUnavailable` without bwrap (or, for a gateway or a proxy, a system
+    Python). With a proxy, the step's environment points its HTTP clients at it."""
     for path in (worktree, *writable):
         problem = bwrap.writable_problem(os.path.realpath(path))
         if problem is not None:  # an OSError: the step does not start, and says why
@@ -221,7 +223,7 @@ def prepare(
     if program is None:
         raise SandboxUnavailable("bwrap is not installed")
     bridge: tuple[str, ...] = ()
-    if gateway_socket is not None and network != "host":
+    if (gateway_socket is not None or proxy_socket is not None) and network != "host":
         python = system_python()
         if python is None:
             raise SandboxUnavailable("the gateway bridge needs python3 in the system folders")
@@ -247,6 +249,8 @@ def prepare(
             uid=uid,
             gid=gid,
             home=home,
+    proxy_socket: str | None = None,
+    proxy_port: int | None = None,
             passwd_fd=fds[0],
             group_fd=fds[1],
             top=root_entries(),
@@ -299,6 +303,8 @@ def probe(user: StepUser | None) -> str | None:
             timeout=PROBE_TIMEOUT,
             check=False,
         )
+            proxy_socket=proxy_socket,
+            proxy_port=proxy_port if proxy_socket is not None else None,
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap did not run: {exc}"
     finally:
@@ -310,6 +316,8 @@ def probe(user: StepUser | None) -> str | None:
     return None
 
 
+    if proxy_socket is not None and proxy_port is not None and network != "host":
+        inside.update(proxy_env(proxy_port))
 def require(mode: str, user: StepUser | None) -> bool:
     """True if steps run sandboxed (``mode`` is ``bwrap`` and a sandbox starts here),
     False for ``off``; raises :class:`SandboxUnavailable` when one is asked for and cannot."""

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from overnight.config import defaults
 from overnight.worker.beat.channel import SOCKET_VAR
@@ -17,7 +19,6 @@ if TYPE_CHECKING:
     from overnight.worker.sandbox.bwrap import Network
     from overnight.worker.sandbox.launch import Prepared
     from overnight.worker.sandbox.limits import Limits
-    from overnight.worker.sandbox.relay import Relay
     from overnight.worker.sandbox.stepuser import StepUser
 
 
@@ -67,8 +68,16 @@ class StepSpec:
     writable: tuple[str, ...] = ()
     network: Network = "none"
     gateway_socket: str | None = None
+    # Hosts (worker.sandbox.proxy) the sandboxed step reaches through a proxy of its own.
+    allow_hosts: tuple[str, ...] = ()
     # Processes, memory, open files, CPU and disk (worker.sandbox.limits); None: the settings'.
     limits: Limits | None = None
+
+
+class Served(Protocol):
+    """What a sandbox is served through until its step ends (a relay, a proxy)."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -92,36 +101,69 @@ class SupervisedResult:
     kill: tree.KillReport | None = None
 
 
+def serialized(on_output: Callable[[bytes], None] | None) -> Callable[[bytes], None] | None:
+    """``on_output`` called by one thread at a time (the step's pipes and its proxy share it)."""
+    if on_output is None:
+        return None
+    lock = threading.Lock()
+
+    def say(line: bytes) -> None:
+        with lock:
+            on_output(line)
+
+    return say
+
+
 def prepare_sandbox(
-    spec: StepSpec, env: dict[str, str], lease_id: str, tmpfs_size: int = 0
-) -> tuple[Prepared, Relay | None]:
-    """The sandboxed launch of ``spec`` (:mod:`worker.sandbox.launch`) and the per-step relay
-    to a TCP-only gateway it needs (None: the gateway's socket is bound in, or no grant)."""
+    spec: StepSpec,
+    env: dict[str, str],
+    lease_id: str,
+    tmpfs_size: int = 0,
+    say: Callable[[bytes], None] | None = None,
+) -> tuple[Prepared, list[Served]]:
+    """The sandboxed launch of ``spec`` (:mod:`worker.sandbox.launch`) and what it needs
+    served until it ends: the per-step relay to a TCP-only gateway (none when the gateway's
+    socket is bound in, or no grant) and the proxy to its ``allow_hosts`` (``say`` gets the
+    proxy's lines for the step's output)."""
     from overnight.worker.sandbox import launch, relay
+    from overnight.worker.sandbox.proxy import Proxy, inside_port, parse_rules
 
     cwd = spec.cwd or os.getcwd()
     socket, port = None, None
-    step_relay: Relay | None = None
+    opened: list[Served] = []
     if spec.grant is not None and spec.network != "host":
         port = relay.url_port(spec.grant.base_url)
         socket = spec.gateway_socket
         if socket is None:
             step_relay = relay.Relay(lease_id, "127.0.0.1", port)
+            opened.append(step_relay)
             socket = step_relay.path
-    beat = env.get(SOCKET_VAR)
-    prepared = launch.prepare(
-        spec.argv,
-        cwd=cwd,
-        worktree=spec.worktree or cwd,
-        user=spec.user,
-        env=env,
-        home_files=spec.home_files,
-        readable=spec.readable,
-        writable=spec.writable,
-        sockets=(beat,) if beat else (),
-        network=spec.network,
-        gateway_socket=socket,
-        gateway_port=port,
-        tmpfs_size=tmpfs_size,
-    )
-    return prepared, step_relay
+    proxy: Proxy | None = None
+    try:
+        if spec.allow_hosts and spec.network != "host":
+            rules = parse_rules(spec.allow_hosts)
+            proxy = Proxy(rules, lease_id=lease_id, task_id=spec.task_id, say=say)
+            opened.append(proxy)
+        beat = env.get(SOCKET_VAR)
+        prepared = launch.prepare(
+            spec.argv,
+            cwd=cwd,
+            worktree=spec.worktree or cwd,
+            user=spec.user,
+            env=env,
+            home_files=spec.home_files,
+            readable=spec.readable,
+            writable=spec.writable,
+            sockets=(beat,) if beat else (),
+            network=spec.network,
+            gateway_socket=socket,
+            gateway_port=port,
+            tmpfs_size=tmpfs_size,
+            proxy_socket=proxy.path if proxy is not None else None,
+            proxy_port=inside_port(port) if proxy is not None else None,
+        )
+    except BaseException:
+        for item in opened:
+            item.close()
+        raise
+    return prepared, opened

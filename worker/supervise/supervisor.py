@@ -37,12 +37,12 @@ from overnight.worker.supervise.keeper import Keeper
 from overnight.worker.supervise.limitwatch import Guard
 from overnight.worker.supervise.outcome import Outcome
 from overnight.worker.supervise.signals import FORWARDED, SignalCatcher
-from overnight.worker.supervise.spec import StepSpec, SupervisedResult, prepare_sandbox
+from overnight.worker.supervise.spec import StepSpec, SupervisedResult, prepare_sandbox, serialized
 
 if TYPE_CHECKING:
     import redis
 
-    from overnight.worker.sandbox.relay import Relay
+    from overnight.worker.supervise.spec import Served
 
 log = logging.getLogger("overnight.supervisor")
 
@@ -88,7 +88,7 @@ class _Run:
         self.client = supervisor_client(client, spec.gap)
         self.keys = keys
         self.spec = spec
-        self.on_output = on_output
+        self.on_output = serialized(on_output)
         self.signals = signals
         self.leases = Leases(self.client, keys)
         self.host = procs.hostname()
@@ -102,7 +102,7 @@ class _Run:
         self.lease_id = ""
         self.gateway_token: str | None = None
         self.watch: leasefile.LeaseFileWatch | None = None
-        self.relay: Relay | None = None
+        self.opened: list[Served] = []  # served to the sandbox until the step ends
 
     def run(self) -> SupervisedResult:
         started = time.monotonic()
@@ -165,7 +165,9 @@ class _Run:
             argv, user, ready = spec.argv, spec.user, None
             guard = Guard(spec)
             if spec.sandbox:
-                ready, self.relay = prepare_sandbox(spec, env, self.lease_id, guard.limits.disk)
+                ready, self.opened = prepare_sandbox(
+                    spec, env, self.lease_id, guard.limits.disk, self.on_output
+                )
                 argv, env, user = ready.argv, ready.env, None  # setpriv takes the uid
             argv = guard.launch(argv, self.home, ready, self.group)
             try:
@@ -295,9 +297,8 @@ class _Run:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if self.relay is not None:
-            self.relay.close()
-            self.relay = None
+        while self.opened:
+            self.opened.pop().close()
         if self.home is not None:
             stepenv.remove_home(self.home)
             self.home = None
@@ -394,7 +395,6 @@ __all__ = [
     "SupervisedResult",
     "client_for_url",
     "io_timeout",
-    "prepare_sandbox",
     "run_supervised",
     "url_of",
 ]
