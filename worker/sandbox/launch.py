@@ -211,6 +211,8 @@ def prepare(
     gateway_socket: str | None = None,
     gateway_port: int | None = None,
     tmpfs_size: int = 0,
+    proxy_socket: str | None = None,
+    proxy_port: int | None = None,
 ) -> Prepared:
     """The launch of ``argv`` in its sandbox, as ``user`` (None: this process's user).
     Raises :class:`SandboxUnavailable` without bwrap (or, for a gateway or a proxy, a system
@@ -249,8 +251,6 @@ def prepare(
             uid=uid,
             gid=gid,
             home=home,
-    proxy_socket: str | None = None,
-    proxy_port: int | None = None,
             passwd_fd=fds[0],
             group_fd=fds[1],
             top=root_entries(),
@@ -266,6 +266,8 @@ def prepare(
             network=network,
             gateway_socket=gateway_socket,
             gateway_port=gateway_port if gateway_socket is not None else None,
+            proxy_socket=proxy_socket,
+            proxy_port=proxy_port if proxy_socket is not None else None,
             bridge=bridge,
             bwrap=program,
             setpriv=shutil.which("setpriv", path=SYSTEM_PATH) or "setpriv",
@@ -277,6 +279,8 @@ def prepare(
             os.close(fd)
         raise
     inside = {**env, "HOME": home, "TMPDIR": "/tmp"}
+    if proxy_socket is not None and proxy_port is not None and network != "host":
+        inside.update(proxy_env(proxy_port))
     return Prepared(launch, home, tuple(fds), inside)
 
 
@@ -303,8 +307,6 @@ def probe(user: StepUser | None) -> str | None:
             timeout=PROBE_TIMEOUT,
             check=False,
         )
-            proxy_socket=proxy_socket,
-            proxy_port=proxy_port if proxy_socket is not None else None,
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap did not run: {exc}"
     finally:
@@ -316,8 +318,6 @@ def probe(user: StepUser | None) -> str | None:
     return None
 
 
-    if proxy_socket is not None and proxy_port is not None and network != "host":
-        inside.update(proxy_env(proxy_port))
 def require(mode: str, user: StepUser | None) -> bool:
     """True if steps run sandboxed (``mode`` is ``bwrap`` and a sandbox starts here),
     False for ``off``; raises :class:`SandboxUnavailable` when one is asked for and cannot."""
