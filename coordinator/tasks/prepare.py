@@ -165,6 +165,7 @@ def step_request(
         on_line=reader,
         worktree=str(tree.path) if tree is not None else None,
         network=spec.network,
+        allow_hosts=tuple(spec.allow_hosts),
         limits=step_limits(spec),
         readable=(str(folder), *(worktree_git(tree.git_dir) if tree else ())),
     )

@@ -12,6 +12,7 @@ from overnight.config.validate import size
 from overnight.coordinator import agents
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base
+from overnight.worker.sandbox.proxy import parse_rule
 from overnight.worker.sandbox.stepenv import declared_problem
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -103,6 +104,8 @@ class TaskSpec(BaseModel):
     # In a sandbox (OVERNIGHT_SANDBOX=bwrap), the agent's network: "none" reaches only its
     # gateway; "host" is the explicit opt-out (the host's network), said in its step's log.
     network: Literal["none", "host"] = "none"
+    # Hosts ("host", "host:port", "*.domain") the agent reaches through overnight's proxy.
+    allow_hosts: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
     # Its steps' limits (processes, memory, open files, CPU, disk), else the settings'.
     limits: TaskLimits | None = None
     # Globs (relative to the repository root) put back from the base before every verifier run.
@@ -188,6 +191,13 @@ class TaskSpec(BaseModel):
                 raise ValueError(
                     f"{name!r}: the value must be at most {MAX_ARG} characters, no NUL"
                 )
+        return value
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _allow_hosts(cls, value: list[str]) -> list[str]:
+        for text in value:
+            parse_rule(text)  # its ValueError names the entry
         return value
 
     @field_validator("protect")

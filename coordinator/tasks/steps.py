@@ -68,6 +68,7 @@ class StepRequest:
     worktree: str | None = None
     readable: tuple[str, ...] = ()
     network: Network = "none"  # "host": the sandbox's network opt-out (the task's key)
+    allow_hosts: tuple[str, ...] = ()  # reached through the step's proxy (the task's key)
     limits: Limits | None = None  # the step's limits (None: the settings')
     # Sees every output line too (an agent preset reading the CLI's structured output).
     on_line: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
@@ -224,6 +225,7 @@ def supervised_runner(
             worktree=req.worktree,
             readable=req.readable,
             network=req.network,
+            allow_hosts=req.allow_hosts,
             limits=req.limits,
             gateway_socket=trusted_socket(keys.namespace) if sandboxed and req.grant else None,
         )
@@ -231,6 +233,10 @@ def supervised_runner(
             line = (
                 f"overnight: task {req.task_id}: network = host: the step shares the host's network"
             )
+            log.warning("%s", line)
+            capture(line.encode())
+        if not sandboxed and req.allow_hosts:
+            line = f"overnight: task {req.task_id}: allow_hosts is not enforced without a sandbox"
             log.warning("%s", line)
             capture(line.encode())
         try:

@@ -120,6 +120,10 @@ def load(
         spec = TaskSpec.model_validate(data)
     except ValidationError as exc:
         problems[:0] = _problem_lines(label, exc)
+    else:
+        problem = allow_hosts_problem(spec, _sandbox_mode())
+        if problem is not None:
+            problems.append(f"{label}: allow_hosts: {problem}")
     if problems:
         raise TaskFileError(problems)
     assert workdir is not None
@@ -161,6 +165,35 @@ def _lookup_path(path: str, cwd: str) -> str:
     return os.pathsep.join(
         e if os.path.isabs(e) else os.path.join(cwd, e) for e in path.split(os.pathsep) if e
     )
+
+
+def allow_hosts_problem(spec: TaskSpec, sandbox: str) -> str | None:
+    """Why ``spec``'s ``allow_hosts`` cannot be kept with steps contained by ``sandbox``."""
+    if not spec.allow_hosts:
+        return None
+    if spec.network == "host":
+        return 'needs network = "none" (with "host" the agent reaches every host)'
+    if sandbox != "bwrap":
+        return (
+            f"needs OVERNIGHT_SANDBOX=bwrap (it is {sandbox!r}): without the sandbox a step "
+            "reaches every host, so nothing would keep it to the list"
+        )
+    return None
+
+
+def _sandbox_mode() -> str:
+    """How this process's settings contain steps (``off`` when they cannot be read)."""
+    from overnight.config.validate import read_fast
+
+    try:
+        fast = read_fast(os.environ)
+        if fast is not None:
+            return fast.sandbox
+        from overnight.config.context import settings
+
+        return settings().sandbox
+    except Exception:
+        return "off"
 
 
 def _step_user() -> StepUser | None:
