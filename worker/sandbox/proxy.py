@@ -119,25 +119,19 @@ def parse_rule(text: str) -> HostRule:
     return HostRule(host, port, wildcard)
 
 
-def parse_rules(texts: Sequence[str]) -> tuple[HostRule, ...]:
-    return tuple(parse_rule(text) for text in texts)
-
-
 def allowed(host: str, port: int, rules: Sequence[HostRule]) -> bool:
     """Whether a request for ``host:port`` may pass: some rule names that port and that
     host exactly, or a domain above it (a wildcard; never for an IP)."""
     name = normal_host(host) if not is_ip(host) else str(ipaddress.ip_address(host))
-    if name is None:
-        return False
-    for rule in rules:
-        if rule.port != port:
-            continue
-        if rule.wildcard:
-            if not is_ip(name) and name.endswith("." + rule.host):
-                return True
-        elif name == rule.host:
-            return True
-    return False
+    return name is not None and any(
+        rule.port == port
+        and (
+            name.endswith("." + rule.host) and not is_ip(name)
+            if rule.wildcard
+            else name == rule.host
+        )
+        for rule in rules
+    )
 
 
 def address_problem(address: str, host: str) -> str | None:
@@ -270,6 +264,7 @@ class Proxy:
         self.say = say or _stderr
         self.refused: Counter[str] = Counter()
         self.passed = 0
+        self.tunnels: set[socket.socket] = set()  # ended by close(), whoever holds them open
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(MAX_OPEN)
         self.folder = tempfile.mkdtemp(prefix=f"overnight-proxy-{lease_id[:24]}-")
@@ -324,6 +319,7 @@ class Proxy:
             return
         with self.lock:
             self.passed += 1
+            self.tunnels |= {conn, up}
         with up:
             conn.settimeout(None)
             if request.connect:
@@ -336,6 +332,8 @@ class Proxy:
             back.start()
             pump(conn, up)
             back.join()
+        with self.lock:
+            self.tunnels -= {conn, up}
 
     def _connect(self, host: str, port: int) -> tuple[socket.socket | None, str | None]:
         # The name is resolved here, once: the address connected to is the one checked.
@@ -360,14 +358,14 @@ class Proxy:
         return None, problem
 
     def _refuse(self, conn: socket.socket, target: str, why: str) -> None:
-        _reply(conn, "403 Forbidden", f"refused {target}: {why}")
-        with self.lock:
+        with self.lock:  # counted and said before the step sees its answer
             self.refused[target] += 1
             said = sum(self.refused.values()) <= SAID_EACH
         if said:
             task = self.task_id or "-"
             log.warning("lease=%s task=%s: proxy refused %s: %s", self.lease_id, task, target, why)
             self.say(f"overnight: task {task}: proxy refused {target}: {why}\n".encode())
+        _reply(conn, "403 Forbidden", f"refused {target}: {why}")
 
     def summary(self) -> str | None:
         """One line counting what was refused (None: nothing was)."""
@@ -387,10 +385,12 @@ class Proxy:
         )
 
     def close(self) -> None:
-        """Stop listening, remove the folder and say what was refused (tunnels open now
-        end with the step's sandbox)."""
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+        """Stop listening, end the open tunnels, remove the folder, say what was refused."""
+        with self.lock:
+            ending = [self.sock, *self.tunnels]
+        for sock in ending:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         shutil.rmtree(self.folder, ignore_errors=True)
         line = self.summary()

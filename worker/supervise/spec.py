@@ -126,7 +126,7 @@ def prepare_sandbox(
     socket is bound in, or no grant) and the proxy to its ``allow_hosts`` (``say`` gets the
     proxy's lines for the step's output)."""
     from overnight.worker.sandbox import launch, relay
-    from overnight.worker.sandbox.proxy import Proxy, inside_port, parse_rules
+    from overnight.worker.sandbox.proxy import Proxy, inside_port, parse_rule
 
     cwd = spec.cwd or os.getcwd()
     socket, port = None, None
@@ -141,7 +141,7 @@ def prepare_sandbox(
     proxy: Proxy | None = None
     try:
         if spec.allow_hosts and spec.network != "host":
-            rules = parse_rules(spec.allow_hosts)
+            rules = [parse_rule(text) for text in spec.allow_hosts]
             proxy = Proxy(rules, lease_id=lease_id, task_id=spec.task_id, say=say)
             opened.append(proxy)
         beat = env.get(SOCKET_VAR)

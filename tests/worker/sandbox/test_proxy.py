@@ -1,26 +1,36 @@
 """The allow_hosts proxy's rules as tables: which entries are rules, which requests parse,
 which targets a rule lets through, which resolved addresses are refused; the sandbox's
-argv with a proxy bridged in, and the bridge's forwards. No network, no sandbox."""
+argv with a proxy bridged in, and the bridge's forwards. Then the proxy itself on this
+host's loopback only: what close() ends, what it says. No sandbox."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
 
 import pytest
 
 from overnight.worker.sandbox import bridge
 from overnight.worker.sandbox.bwrap import GATEWAY_SOCKET, PROXY_SOCKET, SandboxSpec, launch_argv
 from overnight.worker.sandbox.proxy import (
+    SAID_EACH,
     HostRule,
+    Proxy,
     address_problem,
     allowed,
     inside_port,
     parse_request,
     parse_rule,
-    parse_rules,
     proxy_env,
 )
+from tests.helpers import wait_for
 
-RULES = parse_rules(
-    [
+RULES = [
+    parse_rule(text)
+    for text in [
         "example.com",
         "Api.Example.org:8443",
         "*.pypi.org",
@@ -28,7 +38,7 @@ RULES = parse_rules(
         "[2001:db8::1]:9000",
         "trailing.dot.",
     ]
-)
+]
 
 
 @pytest.mark.parametrize(
@@ -287,3 +297,61 @@ def test_the_bridge_reads_its_forwards(
     args: list[str], parsed: tuple[list[tuple[int, str]], list[str]] | None
 ) -> None:
     assert bridge._forwards(args) == parsed
+
+
+@pytest.fixture
+def holder() -> Iterator[tuple[int, list[socket.socket]]]:
+    """A loopback server that answers nothing and never closes what it accepted."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1], held
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def _ask(path: str, head: bytes) -> tuple[socket.socket, bytes]:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(10)
+    client.connect(path)
+    client.sendall(head)
+    return client, client.recv(4096)
+
+
+def test_close_ends_a_tunnel_the_far_end_holds_open(
+    holder: tuple[int, list[socket.socket]],
+) -> None:
+    port, held = holder
+    said: list[bytes] = []
+    proxy = Proxy([parse_rule(f"127.0.0.1:{port}")], lease_id="l1", task_id="t1", say=said.append)
+    client, answer = _ask(proxy.path, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    wait_for(lambda: held)
+    proxy.close()
+    assert client.recv(100) == b""  # ended by close, though the far end never closed
+    assert not os.path.exists(proxy.path) and said == []  # nothing refused, nothing said
+    client.close()
+
+
+def test_refusals_past_the_first_twenty_are_counted_not_said() -> None:
+    said: list[bytes] = []
+    proxy = Proxy([parse_rule("example.com")], lease_id="l2", task_id="t2", say=said.append)
+    try:
+        for i in range(SAID_EACH + 5):
+            client, answer = _ask(proxy.path, f"CONNECT h{i}.example:443 HTTP/1.1\r\n\r\n".encode())
+            assert answer.startswith(b"HTTP/1.1 403"), answer
+            client.close()
+        assert len(said) == SAID_EACH  # each counted and said before its 403
+    finally:
+        proxy.close()
+    assert said[0] == b"overnight: task t2: proxy refused h0.example:443: not in allow_hosts\n"
+    assert said[-1].startswith(b"overnight: task t2: proxy refused 25 connection(s) (h0.example")
+    assert b"and 15 more); 0 let through" in said[-1]
+    assert len(said) == SAID_EACH + 1
