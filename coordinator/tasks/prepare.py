@@ -22,6 +22,7 @@ from overnight.worker.sandbox import stepenv, stepuser
 from overnight.worker.sandbox.launch import worktree_git
 from overnight.worker.sandbox.limits import Limits
 from overnight.worker.sandbox.limits import configured as limits_setting
+from overnight.worker.sandbox.nofollow import open_append
 from overnight.worker.sandbox.stepuser import StepUser
 
 MAX_PROMPT_ARG = 100_000  # bytes; Linux refuses a single argv/env string over 128 KiB
@@ -247,8 +248,7 @@ def say(log_path: Path | None, line: str) -> None:
     if log_path is None:
         return
     try:
-        log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(log_path, "a", encoding="utf-8") as fh:
+        with os.fdopen(open_append(log_path), "a", encoding="utf-8") as fh:
             fh.write(line.rstrip("\n") + "\n")
     except OSError:
         pass

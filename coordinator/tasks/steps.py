@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from overnight.config.folders import make_folders
 from overnight.coordinator.agents import Said
 from overnight.coordinator.tasks.judge import CANNOT_START
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import launch
 from overnight.worker.sandbox.bwrap import Network
 from overnight.worker.sandbox.limits import Limits
+from overnight.worker.sandbox.nofollow import open_append
 from overnight.worker.sandbox.stepenv import make_home, remove_home, step_environment
 from overnight.worker.sandbox.stepuser import StepUser, configured
 from overnight.worker.supervise.signals import SignalCatcher
@@ -154,9 +154,8 @@ def open_capture(req: StepRequest) -> OutputCapture:
     cannot be opened costs the log, not the step)."""
     fh = None
     if req.log_path is not None:
-        try:
-            make_folders(req.log_path.parent, 0o700, above=0o711)
-            fh = open(req.log_path, "ab")  # noqa: SIM115 - closed by OutputCapture.close
+        try:  # never through a link or into a folder a step could have planted
+            fh = os.fdopen(open_append(req.log_path), "ab")
         except OSError:
             fh = None
     return OutputCapture(log=fh, also=req.on_line)

@@ -22,6 +22,7 @@ from pathlib import Path
 from overnight.config.folders import make_folders
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.worktree import Base, protected_of
+from overnight.worker.sandbox import nofollow
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def freeze(base: Base, into: Path) -> None:
     if into.exists():
         remove_tree(into)
     make_folders(into.parent, 0o700, above=0o711)
-    shutil.copytree(base.root, into, symlinks=True)
+    nofollow.copy_tree(base.root, into)
 
 
 def snapshot_changes(base: Base, globs: Sequence[str], tree: Path) -> list[str]:
@@ -159,29 +160,28 @@ CHUNK = 256
 
 def write_entry(tree: Path, rel: str, mode: str, data: bytes) -> None:
     """Write one file of a prepared tree at ``rel`` (a '/'-path) without ever following a
-    link the agent left: a link or a file where a folder belongs is replaced by the folder."""
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts) or parts[0] == ".git":
+    link the agent left: a link or a file where a folder belongs is replaced by the folder,
+    every part reached from the tree's descriptor."""
+    parts = nofollow.split(rel)
+    if parts[0] == ".git":
         raise OSError(f"refusing to write {rel!r}")
-    here = tree
-    for part in parts[:-1]:
-        here = here / part
-        if here.is_symlink() or (here.exists() and not here.is_dir()):
-            here.unlink()
-        if not here.exists():
-            here.mkdir()
-    dest = here / parts[-1]
-    if dest.is_symlink() or dest.is_file():
-        dest.unlink()
-    elif dest.is_dir():
-        remove_tree(dest)
-    if mode == "120000":
-        os.symlink(data, dest)
-        return
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.chmod(dest, 0o755 if mode == "100755" else 0o644)
+    top = os.open(tree, nofollow.DIR_FLAGS)
+    try:
+        folder = nofollow.make_beneath(top, parts[:-1], 0o755)
+    finally:
+        os.close(top)
+    try:
+        nofollow.remove_at(folder, parts[-1])
+        if mode == "120000":
+            os.symlink(data, parts[-1], dir_fd=folder)
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(parts[-1], flags, 0o600, dir_fd=folder)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            os.fchmod(fh.fileno(), 0o755 if mode == "100755" else 0o644)
+    finally:
+        os.close(folder)
 
 
 def _snapshot_tree(base: Base, globs: Sequence[str], frozen: Path, tree: Path) -> Checked:
@@ -209,14 +209,8 @@ def _snapshot_tree(base: Base, globs: Sequence[str], frozen: Path, tree: Path) -
 
 
 def remove_tree(path: Path) -> None:
-    def retry(_func: object, name: str, _exc: object) -> None:
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(name), 0o700)
-            os.unlink(name)
-
-    shutil.rmtree(path, onerror=retry)
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove ``path`` and all it holds, never following a link in it."""
+    nofollow.remove_path(path)
 
 
 def rewrite_argv(argv: Sequence[str], root: str, tree: str) -> list[str]:

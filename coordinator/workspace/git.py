@@ -65,9 +65,11 @@ def git_bytes(
     at: Where | None = None,
     check: bool = True,
     data: bytes | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> bytes:
-    """:func:`git` with ``data`` on its stdin and its stdout as bytes."""
-    proc = _run(args, cwd, at, data)
+    """:func:`git` with ``data`` on its stdin and its stdout as bytes (``pass_fds`` stay open
+    in git, as ``/proc/self/fd/N``)."""
+    proc = _run(args, cwd, at, data, pass_fds)
     if check and proc.returncode != 0:
         err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
         raise GitError(f"git {args[0] if args else ''}: {err[0] if err else proc.returncode}")
@@ -80,7 +82,11 @@ def git_ok(*args: str, cwd: str | None = None, at: Where | None = None) -> bool:
 
 
 def _run(
-    args: Sequence[str], cwd: str | None, at: Where | None, data: bytes | None
+    args: Sequence[str],
+    cwd: str | None,
+    at: Where | None,
+    data: bytes | None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.CompletedProcess[bytes]:
     argv = ["git"]
     for item in HARDENING:
@@ -99,6 +105,8 @@ def _run(
         capture_output=True,
         timeout=GIT_TIMEOUT,
         check=False,
+        pass_fds=tuple(pass_fds),
+        umask=0o022,  # what git makes (a worktree, objects) is never writable by others
     )
 
 

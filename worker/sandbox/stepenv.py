@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import stat
 import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from overnight.worker.sandbox import nofollow
 
 if TYPE_CHECKING:
     from overnight.worker.sandbox.stepuser import StepUser
@@ -128,18 +128,8 @@ def make_home(
 
 
 def remove_home(home: str) -> None:
-    """Remove a step's scratch folder, read-only folders it left (a Go module cache) too."""
-
-    def retry(_func: object, path: str, _exc: object) -> None:
-        # Make the parent writable (and the path itself, if a folder) and try once more.
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(path), 0o700)
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                os.chmod(path, 0o700)
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-
-    shutil.rmtree(home, onerror=retry)
-    if os.path.lexists(home):
-        shutil.rmtree(home, ignore_errors=True)
+    """Remove a step's scratch folder and all it holds (read-only folders it left, a Go
+    module cache, too), never following a link the step left in it or swapped in for it:
+    a concurrent step of the same user can do either while overnight (root) removes it."""
+    with contextlib.suppress(OSError):
+        nofollow.remove_path(home)
