@@ -264,7 +264,9 @@ class TaskLoop:
     ) -> tuple[StepOutcome, Checkpoint]:
         """Run a step in the task's workspace: an agent step in its worktree (locked while
         it runs, committed after), a rule in a fresh checkout of the turn's commit with the
-        protected paths put back, as overnight's own user, with a fixed environment."""
+        protected paths put back, as the step user (owning that checkout), with a fixed
+        environment. The verdict is the exit status overnight sees; what the rule does to
+        its checkout is thrown away with it."""
         if rec.spec.base is None:
             self._ran = True
             return self.runner(req), cp
@@ -294,14 +296,14 @@ class TaskLoop:
                 }
             )
             return out, cp
-        with space.verifier_tree(cp.head) as checked:
+        user = self.config.step_user  # the rule runs as the agent step does, never as overnight
+        with space.verifier_tree(cp.head, user) as checked:
             forbidden = [*space.forbidden(), checked.root]
             req = replace(
                 req,
                 cwd=checked.cwd,
                 argv=rule_argv(req.argv, rec.spec.base, checked),
-                env=verifier_env(req.env, forbidden),
-                as_step_user=False,
+                env=verifier_env(req.env, forbidden, user),
                 worktree=checked.root,  # in a sandbox: the whole checkout, read-write
             )
             self._ran = True

@@ -211,7 +211,7 @@ def cannot_start(
     rule = spec.verifier[cp.step - 1]
     if "/" in rule.run[0]:
         return None  # found in the turn's own tree; said after the run if it is not
-    path = verifier_env({}, [])["PATH"] if spec.base is not None else None
+    path = verifier_env({}, [], config.step_user)["PATH"] if spec.base is not None else None
     path = path or req.env.get("PATH") or os.environ.get("PATH") or stepenv.DEFAULT_PATH
     if start_problem(rule.run, req.cwd, path) is None:
         return None

@@ -60,7 +60,6 @@ class StepRequest:
     stdin_data: bytes | None = field(default=None, repr=False)  # settings for the model step
     grant: Grant | None = None  # what the step may spend through the gateway
     log_path: Path | None = None  # where the step's whole output is kept (up to LOG_CAP_BYTES)
-    as_step_user: bool = True  # False for a verifier rule: it runs as overnight's own user
     lease_id: str | None = None  # chosen by the caller (the worktree lock names it); else new
     home_files: dict[str, str] | None = None  # written into the step's scratch HOME first
     # In a sandbox (OVERNIGHT_SANDBOX): the tree bound read-write (default: cwd) and the
@@ -218,7 +217,7 @@ def supervised_runner(
             task_id=req.task_id,
             stdin_data=req.stdin_data,
             grant=req.grant,
-            user=as_user if req.as_step_user else None,
+            user=as_user,
             home_files=req.home_files,
             sandbox=sandboxed,
             worktree=req.worktree,

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from overnight.config.errors import OvernightError
 from overnight.coordinator import agents
 from overnight.coordinator.tasks.spec import Rule, TaskLimits, TaskSpec
+from overnight.coordinator.workspace import rulepath
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.worker.sandbox import stepuser
 from overnight.worker.sandbox.stepenv import DEFAULT_PATH
@@ -245,7 +246,8 @@ def command_problems(
                     out.append(("agent", absent))
             elif not os.path.exists(os.path.join(spec.workdir, cmd)):
                 out.append(("agent", f"command {cmd!r} does not exist in {spec.workdir}"))
-    rule_path = workspace.clean_path(worker_path, []) or "/usr/bin:/bin"
+    # As the rule will look it up: no folder its user could write is on its PATH.
+    rule_path = rulepath.rule_path(worker_path, [], rulepath.rule_user(user))
     for i, rule in enumerate(spec.verifier):
         cmd = rule.run[0]
         if "/" not in cmd and shutil.which(cmd, path=rule_path) is None:

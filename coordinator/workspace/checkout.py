@@ -117,12 +117,20 @@ def commit_changes(base: Base, globs: Sequence[str], commit: str) -> list[str]:
 
 @contextlib.contextmanager
 def prepared(
-    base: Base, globs: Sequence[str], scratch: Path, *, commit: str | None, frozen: Path | None
+    base: Base,
+    globs: Sequence[str],
+    scratch: Path,
+    *,
+    commit: str | None,
+    frozen: Path | None,
+    owner: tuple[int, int] | None = None,
 ) -> Iterator[Checked]:
     """A fresh tree for one verifier run under ``scratch`` (removed afterwards): a checkout
     of ``commit`` (worktree mode) or a copy of ``frozen`` (in-place), protected paths put
-    back from the base."""
-    make_folders(scratch, 0o700, above=0o711)
+    back from the base. Built as this process's user, then, with ``owner`` (the uid and gid
+    the rule runs as), handed to it: the folders above stay overnight's, so the rule can
+    write its tree and nothing around it."""
+    make_folders(scratch, 0o711, above=0o711)
     folder = Path(tempfile.mkdtemp(prefix="verify-", dir=scratch))
     tree = folder / "tree"
     try:
@@ -131,9 +139,22 @@ def prepared(
         else:
             assert frozen is not None
             checked = _snapshot_tree(base, globs, frozen, tree)
+        if owner is not None:
+            os.chmod(scratch, 0o711)  # a folder made before rules ran as their own user
+            os.chmod(folder, 0o711)
+            give_tree(tree, *owner)
         yield checked
     finally:
         remove_tree(folder)
+
+
+def give_tree(root: Path, uid: int, gid: int) -> None:
+    """Hand the tree at ``root`` to ``uid``: every entry by its folder's descriptor, a link
+    itself and never where it leads, no folder entered through a link."""
+    for _top, dirs, files, fd in os.fwalk(root, follow_symlinks=False):
+        for name in [*dirs, *files]:
+            os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+    os.chown(root, uid, gid, follow_symlinks=False)
 
 
 def _git_tree(base: Base, globs: Sequence[str], commit: str, tree: Path) -> Checked:

@@ -1,16 +1,20 @@
-"""The git runner: always an argv list through ``git``, with an explicit
-``--git-dir``/``--work-tree`` where the agent's tree is involved (its ``.git`` file is the
-agent's to rewrite), hooks off, no system or global config, overnight's own identity for its
-commits; and the few questions overnight asks of a repository."""
+"""The git runner: always an argv list through the system folders' ``git`` (never one a
+step could have put on PATH), with an explicit ``--git-dir``/``--work-tree`` where the
+agent's tree is involved (its ``.git`` file is the agent's to rewrite), hooks off, no
+external diff or text conversion, no system or global config, overnight's own identity for
+its commits; and the few questions overnight asks of a repository."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from overnight.config.errors import OvernightError
+from overnight.worker.sandbox.launch import SYSTEM_PATH
 
 IDENTITY = ("overnight", "overnight@localhost")
 GIT_TIMEOUT = 300.0
@@ -22,16 +26,28 @@ HARDENING = (
     "tag.gpgSign=false",
     "core.pager=cat",
     "protocol.file.allow=never",
+    "gc.auto=0",
+    "maintenance.auto=false",
 )
+# Commands that would run a repository's diff drivers: always without them.
+NO_DRIVERS = {"diff": ("--no-ext-diff", "--no-textconv"), "log": ("--no-ext-diff", "--no-textconv")}
 
 
 class GitError(OvernightError):
     """A git command failed; the message is its first line of stderr."""
 
 
+@cache
+def program() -> str:
+    """The git overnight runs: the system folders' (``git`` from PATH only where they have
+    none)."""
+    return shutil.which("git", path=SYSTEM_PATH) or "git"
+
+
 def _git_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env.update(
+        PATH=SYSTEM_PATH,  # what git itself starts (a helper, a filter's program)
         GIT_CONFIG_NOSYSTEM="1",
         GIT_CONFIG_GLOBAL=os.devnull,
         GIT_TERMINAL_PROMPT="0",
@@ -88,7 +104,7 @@ def _run(
     data: bytes | None,
     pass_fds: Sequence[int] = (),
 ) -> subprocess.CompletedProcess[bytes]:
-    argv = ["git"]
+    argv = [program()]
     for item in HARDENING:
         argv += ["-c", item]
     if cwd is not None:
@@ -98,6 +114,8 @@ def _run(
         argv += [f"--git-dir={at.git_dir}", f"--work-tree={at.work_tree}"]
         if at.index is not None:
             env["GIT_INDEX_FILE"] = at.index
+    if args and args[0] in NO_DRIVERS:
+        args = [args[0], *NO_DRIVERS[args[0]], *args[1:]]
     return subprocess.run(
         [*argv, *args],
         env=env,

@@ -19,6 +19,7 @@ from overnight.config.errors import OvernightError
 from overnight.coordinator.workspace import checkout
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.checkout import Checked
+from overnight.coordinator.workspace.rulepath import rule_path, rule_user
 from overnight.coordinator.workspace.worktree import Base, Worktree
 from overnight.worker.supervise.procs import hostname
 
@@ -46,11 +47,14 @@ class AfterAgent:
     diffstat: str
 
 
-def verifier_env(env: dict[str, str], forbidden: list[str]) -> dict[str, str]:
+def verifier_env(
+    env: dict[str, str], forbidden: list[str], user: StepUser | None
+) -> dict[str, str]:
     """A verifier rule's added variables: the task's own, without ``PYTHON*``, and the
-    worker's PATH without relative entries or any inside the task's trees."""
+    worker's PATH without relative entries, any inside the task's trees, and any folder the
+    rule's user (``user``, the step user; None: this process's) could write."""
     out = {k: v for k, v in env.items() if not k.upper().startswith("PYTHON")}
-    out["PATH"] = workspace.clean_path(os.environ.get("PATH", ""), forbidden) or "/usr/bin:/bin"
+    out["PATH"] = rule_path(os.environ.get("PATH", ""), forbidden, rule_user(user))
     return out
 
 
@@ -136,8 +140,9 @@ class TaskSpace:
         )
 
     @contextlib.contextmanager
-    def verifier_tree(self, head: str | None) -> Iterator[Checked]:
-        """A fresh tree for one rule: a checkout of ``head``, or a copy of the frozen tree."""
+    def verifier_tree(self, head: str | None, user: StepUser | None) -> Iterator[Checked]:
+        """A fresh tree for one rule: a checkout of ``head``, or a copy of the frozen tree;
+        ``user``'s (the step user the rule runs as), if one is given."""
         assert self.base is not None
         scratch = self.state / "checkouts" / self.namespace
         frozen = None
@@ -148,7 +153,10 @@ class TaskSpace:
         commit = head if self.git else None
         if self.git and commit is None:
             commit = self.base.sha
-        with checkout.prepared(self.base, self.globs, scratch, commit=commit, frozen=frozen) as c:
+        owner = (user.uid, user.gid) if user is not None else None
+        with checkout.prepared(
+            self.base, self.globs, scratch, commit=commit, frozen=frozen, owner=owner
+        ) as c:
             yield c
 
     def forbidden(self) -> list[str]:

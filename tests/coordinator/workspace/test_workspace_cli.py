@@ -179,7 +179,7 @@ def test_diff_of_a_task_without_a_branch_is_one_line(wenv: dict[str, str], tmp_p
 
 
 @pytest.mark.slow
-def test_the_agent_works_as_the_step_user_and_the_rules_run_as_overnight(
+def test_the_agent_and_the_rules_run_as_the_step_user(
     wenv: dict[str, str], step_user: StepUser
 ) -> None:
     # pytest's tmp folders are root's and 0700: the step user needs a path it can walk.
@@ -197,7 +197,7 @@ def test_the_agent_works_as_the_step_user_and_the_rules_run_as_overnight(
         agent = f"import os; assert os.getuid() == {step_user.uid}, os.getuid(); " + FIX
         rules = [
             {"name": "check", "run": ["python3", "check.py"]},
-            {"name": "as-overnight", "run": ["sh", "-c", f'test "$(id -u)" != {step_user.uid}']},
+            {"name": "as-step-user", "run": ["sh", "-c", f'test "$(id -u)" = {step_user.uid}']},
         ]
         path = task_toml(repo, agent, name="as-user", id="as-user", verifier=rules)
         # The system's python3: the step user may not be able to run the test's venv one.
