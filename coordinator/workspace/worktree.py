@@ -8,7 +8,6 @@ The names of the first two are re-exported: callers reach the workspace through 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +59,8 @@ from overnight.coordinator.workspace.plan import (
     protected_of,
     unmatched_globs,
 )
+from overnight.coordinator.workspace.tree import tree_of
+from overnight.worker.sandbox import nofollow
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
@@ -202,43 +203,7 @@ def commit_step(wt: Worktree, message: str, keep: str | None = None) -> str:
 
 
 def _tree_of(wt: Worktree) -> str:
-    """The tree object of what the worktree holds: tracked and untracked files, ignored ones
-    left out, every blob hashed raw (plumbing only: no filter, hook or attribute runs, so a
-    repository config the agent wrote cannot run a program as overnight)."""
-    where = Where(wt.git_dir, wt.path)
-    out = git("ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=wt.path, at=where)
-    files, links = [], []
-    for rel in sorted(set(filter(None, out.split("\0")))):
-        full = os.path.join(wt.path, rel)
-        if rel.endswith("/") or not os.path.lexists(full):
-            continue  # a nested repository, or a tracked file the agent deleted
-        if os.path.islink(full):
-            links.append(rel)
-        elif os.path.isfile(full):
-            files.append(rel)
-    rows = []
-    if files:
-        paths = "".join(f"{rel}\n" for rel in files).encode("utf-8", "surrogateescape")
-        shas = git_bytes(
-            "hash-object", "-w", "--no-filters", "--stdin-paths", cwd=wt.path, at=where, data=paths
-        ).split()
-        for rel, sha in zip(files, shas, strict=True):
-            executable = os.stat(os.path.join(wt.path, rel)).st_mode & 0o100
-            rows.append(f"{'100755' if executable else '100644'} {sha.decode()}\t{rel}")
-    for rel in links:
-        target = os.fsencode(os.readlink(os.path.join(wt.path, rel)))
-        sha = git_bytes("hash-object", "-w", "--stdin", at=where, data=target).strip()
-        rows.append(f"120000 {sha.decode()}\t{rel}")
-    index = os.path.join(wt.git_dir, "overnight-index")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(index)
-    scratch = Where(wt.git_dir, wt.path, index=index)
-    data = "".join(f"{row}\0" for row in rows).encode("utf-8", "surrogateescape")
-    git_bytes("update-index", "--add", "-z", "--index-info", at=scratch, data=data)
-    tree = git("write-tree", at=scratch).strip()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(index)
-    return tree
+    return tree_of(Where(wt.git_dir, wt.path))
 
 
 @dataclass(frozen=True)
@@ -271,8 +236,19 @@ def list_worktrees(root: str) -> list[ListedWorktree]:
 
 def remove_worktree(root: str, path: str) -> None:
     """Remove a worktree that is not locked and holds no uncommitted change (its branch
-    stays); raises :class:`GitError` otherwise."""
-    git("worktree", "remove", path, cwd=root)
+    stays); raises :class:`GitError` otherwise. The files go without following a link the
+    step's user left or swaps in (git's own removal walks by name), then git forgets it."""
+    admin = _admin_dir(root, path)
+    if admin is None:
+        raise GitError(f"{path} is not a worktree of {root}")
+    listed = {w.path: w for w in list_worktrees(root)}
+    if path in listed and listed[path].locked:
+        raise GitError(f"{path} is locked")
+    status = git("status", "--porcelain", "--untracked-files=normal", at=Where(admin, path))
+    if status.strip():
+        raise GitError(f"{path} contains modified or untracked files")
+    nofollow.remove_path(path)
+    git("worktree", "prune", cwd=root)
 
 
 # --- submit -----------------------------------------------------------------------------------
