@@ -9,14 +9,16 @@ goes once retention has forgotten its record and nothing was written to it for a
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from overnight.coordinator.report.text import printable
+from overnight.worker.sandbox import nofollow
 
 if TYPE_CHECKING:
     import redis
@@ -80,7 +82,8 @@ def prune_task_logs(
     live = {name for name, there in zip(names, pipe.execute(), strict=True) if there}
     gone = expired_logs(last_writes, live, time.time() if now is None else now, retention)
     for name in gone:
-        shutil.rmtree(root / name, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            nofollow.remove_path(root / name)
     return gone
 
 
@@ -126,7 +129,7 @@ def print_logs(
         grew = False
         for t, _step, name, path in step_files(folder, turn):
             try:
-                with open(path, "rb") as fh:
+                with os.fdopen(os.open(path, nofollow.READ_FLAGS), "rb") as fh:
                     fh.seek(offsets.get(path, 0))
                     data = fh.read()
             except OSError:
