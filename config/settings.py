@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     # Who steps run as when overnight runs as root; running them as root needs the opt-in.
     step_user: str | None = None
     allow_root_steps: bool = False
+    # As root without a step user: each task runs as a uid of its own from this range
+    # ("FIRST-LAST"; "off": none, and root without a step user is refused).
+    step_uids: str = defaults.STEP_UIDS
     # Each step in a bubblewrap sandbox of its own ("bwrap"), or only the older containment
     # ("off", said at start); "bwrap" where no sandbox can start is exit 78.
     sandbox: str = defaults.SANDBOX

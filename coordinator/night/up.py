@@ -191,7 +191,8 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
     stopper.install()
     os.environ.update(opts.env)
     settings = load_settings()
-    user = decide(settings.step_user, settings.allow_root_steps, os.geteuid())  # exit 78 if not
+    euid = os.geteuid()
+    user = decide(settings.step_user, settings.allow_root_steps, euid, uids=settings.step_uids)
     launch.require(settings.sandbox, user)  # exit 78 if a sandbox is asked for and cannot start
     prepare_host(settings, user)  # exit 78 naming a folder it cannot use, before any task
     lock = lock_state_dir(opts.state_dir)

@@ -197,8 +197,9 @@ def make_beneath(root: int, parts: list[str], mode: int) -> int:
 
 def _walk_to(folder: str, own: int, euid: int) -> int:
     """A descriptor of ``folder``, walked from ``/``: a link followed only where
-    :func:`follow_ok` allows, missing folders made (0711, the last ``own`` 0700), and the
-    last ``own`` levels required to be ``euid``'s and closed to others' writes."""
+    :func:`follow_ok` allows and never as one of the last ``own`` levels, missing folders
+    made (0711, the last ``own`` 0700), and the last ``own`` levels required to be
+    ``euid``'s and closed to others' writes."""
     parts = [p for p in folder.split("/") if p]
     mine = len(parts) - own
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -214,7 +215,8 @@ def _walk_to(folder: str, own: int, euid: int) -> int:
                     os.close(made)
             info = _lstat(fd, part)
             flags = DIR_FLAGS
-            if info is not None and stat.S_ISLNK(info.st_mode) and follow_ok(here, euid):
+            link = info is not None and stat.S_ISLNK(info.st_mode)
+            if link and i < mine and follow_ok(here, euid):
                 flags &= ~os.O_NOFOLLOW
             nxt = os.open(part, flags, dir_fd=fd)
             os.close(fd)

@@ -179,9 +179,10 @@ def test_a_planted_link_never_makes_root_append_to_its_target(
     target = shared / "root-owned.conf"
     target.write_text("root's own\n")
     os.chmod(target, 0o600)
-    holder = shared / "holder"
-    holder.mkdir()
-    (holder / "turn-001-step-00-agent.log").symlink_to(target)
+    holder = shared / "holder"  # root's, holding a root-owned file of the log's very name
+    holder.mkdir(mode=0o700)
+    (holder / "turn-001-step-00-agent.log").write_text("root's too\n")
+    os.chmod(holder / "turn-001-step-00-agent.log", 0o600)
     if where == "the task's folder":
         as_user(step_user, 'ln -s "$2" "$1/t1"', str(logs), str(holder))
     else:
@@ -191,6 +192,7 @@ def test_a_planted_link_never_makes_root_append_to_its_target(
         as_user(step_user, plant, str(logs), str(target))
     assert not append(logs / "t1" / "turn-001-step-00-agent.log", b"step output\n")
     assert target.read_text() == "root's own\n"
+    assert (holder / "turn-001-step-00-agent.log").read_text() == "root's too\n"
     # and overnight's own folder is closed to others' writes from then on
     assert not (logs.stat().st_mode & 0o022)
 
