@@ -23,7 +23,7 @@ from overnight.config.keys import Keys
 from overnight.coordinator.tasks.loop import LoopConfig, TaskLoop
 from overnight.coordinator.tasks.steps import supervised_runner
 from overnight.coordinator.tasks.store import Runner, TaskRecord, TaskStore
-from overnight.coordinator.tasks.taskfile import load
+from overnight.coordinator.tasks.taskfile import TaskSpec, command_problems, load
 from overnight.coordinator.workspace import git as overnight_git
 from overnight.coordinator.workspace.rulepath import Node, open_to, rule_path
 from overnight.worker.sandbox import launch
@@ -76,6 +76,28 @@ def test_rule_path_keeps_system_folders_and_drops_what_the_step_user_writes(
     assert rule_path(path, [str(theirs)], who) == "/usr/bin:/bin"
     assert rule_path(f"{mine}", [], who) == "/usr/bin:/bin"
     assert rule_path(path, [], None) == f"/usr/bin:{mine}:{theirs}:{link}:/bin:{top}/missing"
+
+
+@pytest.mark.parametrize("theirs", [True, False])
+def test_submit_looks_a_rule_up_on_the_same_path(
+    step_user: StepUser, top: Path, theirs: bool
+) -> None:
+    folder = top / "bin"
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o755)
+    program = folder / "mycheck"
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    if theirs:  # the step user could have put it there
+        os.chown(folder, step_user.uid, step_user.gid)
+    spec = TaskSpec.model_validate(
+        {"assignment": "a", "verifier": [{"name": "c", "run": ["mycheck"]}]}
+    )
+    problems = command_problems(spec, f"{folder}:/usr/bin:/bin", step_user)
+    if theirs:
+        assert problems == [("verifier[0].run", "rule c: command 'mycheck' not found")]
+    else:
+        assert problems == []
 
 
 # --- the loop, with the step user, sandboxed and not -----------------------------------------
