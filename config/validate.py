@@ -234,6 +234,34 @@ def size(value: object) -> int:
     return number
 
 
+UIDS_RE = re.compile(r"^\s*(\d{1,10})\s*-\s*(\d{1,10})\s*$")
+# The uids a range of step uids may not hold: root, nobody's, and (uid_t)-1 truncated.
+RESERVED_UIDS = (0, 65534, 65535)
+
+
+def uid_range(value: object) -> str:
+    """A range of step uids, ``FIRST-LAST`` (normalised), or ``off``."""
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return "off"
+    match = UIDS_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError("must be FIRST-LAST (two uids, e.g. 61184-65519) or off")
+    first, last = int(match.group(1)), int(match.group(2))
+    if not 0 < first <= last < 2**31 - 1:
+        raise ValueError("must be FIRST-LAST with 0 < FIRST <= LAST < 2147483647")
+    if any(first <= uid <= last for uid in RESERVED_UIDS):
+        raise ValueError("must not hold 65534 (nobody) or 65535")
+    return f"{first}-{last}"
+
+
+def uid_bounds(value: str) -> tuple[int, int] | None:
+    """The first and last uid of a range :func:`uid_range` accepted (None: ``off``)."""
+    if value == "off":
+        return None
+    first, last = value.split("-")
+    return int(first), int(last)
+
+
 SANDBOX_MODES = ("bwrap", "off")
 
 
@@ -302,6 +330,7 @@ RULES: dict[str, Callable[[object], object]] = {
     "recovery_interval": positive,
     "step_user": user_name,
     "allow_root_steps": flag,
+    "step_uids": uid_range,
     "sandbox": sandbox_mode,
     "step_pids": whole(0),
     "step_memory": size,
@@ -327,6 +356,7 @@ class QuickSettings:
     grace: float = defaults.GRACE
     step_user: str | None = None
     allow_root_steps: bool = False
+    step_uids: str = defaults.STEP_UIDS
     sandbox: str = defaults.SANDBOX
     step_pids: int = defaults.STEP_PIDS
     step_memory: int = defaults.STEP_MEMORY

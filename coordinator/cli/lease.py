@@ -10,6 +10,7 @@ decide.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -196,11 +197,12 @@ def _supervise(
     from overnight.worker.lease.store import LeaseRefused
     from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import decide
+    from overnight.worker.sandbox.uidpool import held
     from overnight.worker.supervise import supervisor
 
     assert isinstance(catcher, supervisor.SignalCatcher)
     s = quick_settings()
-    user = decide(s.step_user, s.allow_root_steps, os.geteuid())  # exit 78 if it cannot be
+    user = decide(s.step_user, s.allow_root_steps, os.geteuid(), uids=s.step_uids)  # or exit 78
     sandbox = launch.require(s.sandbox, user)  # exit 78 if one is asked for and cannot start
     spec = supervisor.StepSpec(
         argv=argv,
@@ -216,8 +218,10 @@ def _supervise(
         sandbox=sandbox,
     )
     client = supervisor.client_for_url(s.redis_url, spec.gap)
-    try:
-        result = supervisor.run_supervised(client, Keys(s.namespace), spec, signals=catcher)
+    try:  # with a range of step uids, the step runs as one held for it alone
+        with held(user, spec.lease_id or f"supervise-{os.getpid()}") as step_user:
+            spec = dataclasses.replace(spec, user=step_user)
+            result = supervisor.run_supervised(client, Keys(s.namespace), spec, signals=catcher)
     except LeaseRefused as exc:
         raise CommandError(str(exc), EXIT_REFUSED) from None
     if not quiet:

@@ -17,10 +17,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import redis
 
 from overnight.config.errors import OvernightError
+from overnight.config.folders import FolderUnusable
 from overnight.coordinator import agents
 from overnight.coordinator.tasks import stop
 from overnight.coordinator.tasks.judge import begin, refused, request_id, step_name
@@ -49,6 +51,8 @@ from overnight.coordinator.workspace.taskspace import (
 )
 from overnight.coordinator.workspace.worktree import GitError
 from overnight.worker.lease.store import new_lease_id
+from overnight.worker.sandbox import uidpool
+from overnight.worker.sandbox.stepuser import StepUser
 
 __all__ = ["CallRefused", "Consume", "LoopConfig", "LoopEnd", "TaskLoop"]
 
@@ -126,6 +130,7 @@ class TaskLoop:
         self.token = uuid.uuid4().hex
         self.keeper: ClaimKeeper | None = None
         self.space: TaskSpace | None = None
+        self.task_user: StepUser | None = None  # the uid this attempt holds from the pool
         self._ran = False  # the step in flight was handed to the runner (it may have spent)
 
     def run(self, task_id: str, attempt: int, runner: Runner) -> LoopEnd:
@@ -141,11 +146,27 @@ class TaskLoop:
         self.keeper = ClaimKeeper(self.store, task_id, self.token, self.config.claim_ttl)
         self.keeper.start()
         try:
-            return self._loop(rec)
+            return self._as_task_user(rec)
         finally:
             self.keeper.stop()
-            if self.space is not None:
-                self.space.close()
+
+    def _as_task_user(self, rec: TaskRecord) -> LoopEnd:
+        """Loop as the task's own uid (held from here to the end of this attempt, when the
+        step user stands for a pool of uids), its worktree given back before the uid is."""
+        base = self.config
+        try:
+            with uidpool.held(base.step_user, rec.id, self._places()) as user:
+                self.config = replace(base, step_user=user)
+                self.task_user = None if user is base.step_user else user
+                try:
+                    return self._loop(rec)
+                finally:
+                    if self.space is not None:
+                        self.space.close()
+        except (uidpool.PoolExhausted, FolderUnusable) as exc:
+            return self._write(rec, Next(rec.checkpoint, PAUSED, f"no step uid: {exc}"))
+        finally:
+            self.config, self.task_user = base, None
 
     # --- the loop ----------------------------------------------------------------------
     def _loop(self, rec: TaskRecord) -> LoopEnd:
@@ -193,6 +214,8 @@ class TaskLoop:
         except (GitError, OSError, WorkspaceError) as exc:
             what = step_name(spec, cp.step)
             return Next(cp, PAUSED, f"cannot prepare the {what} step: {exc}")
+        if self.task_user is not None:  # agent steps and verifier rules alike
+            req = replace(req, user=self.task_user)
         blocked = cannot_start(rec, cp, req, config, space)
         if blocked is not None:  # before its call is charged; `overnight logs` says why
             say(req.log_path, f"overnight: {blocked.detail}")
@@ -251,13 +274,20 @@ class TaskLoop:
             raise
         return begun.now
 
+    def _state(self) -> Path:
+        from overnight.coordinator.workspace.worktree import state_dir
+
+        return self.config.state_dir or state_dir()
+
     def _space(self, rec: TaskRecord) -> TaskSpace:
         if self.space is None:
-            from overnight.coordinator.workspace.worktree import state_dir
-
-            state = self.config.state_dir or state_dir()
-            self.space = TaskSpace(rec, state, self.store.keys.namespace)
+            self.space = TaskSpace(rec, self._state(), self.store.keys.namespace)
         return self.space
+
+    def _places(self) -> tuple[uidpool.Place, ...]:
+        """Where a file an earlier holder of a uid left would reach this task's steps."""
+        state = self._state()
+        return ((state / "worktrees", 2), (state / "checkouts", 2), (self.config.prompt_dir, 1))
 
     def _run_step(
         self, rec: TaskRecord, cp: Checkpoint, req: StepRequest, request: str

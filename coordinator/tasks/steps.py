@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING
 from overnight.coordinator.agents import Said
 from overnight.coordinator.tasks.judge import CANNOT_START
 from overnight.worker.gateway.grant import Grant
-from overnight.worker.sandbox import launch
+from overnight.worker.sandbox import launch, uidpool
 from overnight.worker.sandbox.bwrap import Network
 from overnight.worker.sandbox.limits import Limits
 from overnight.worker.sandbox.nofollow import open_append
@@ -61,6 +61,7 @@ class StepRequest:
     grant: Grant | None = None  # what the step may spend through the gateway
     log_path: Path | None = None  # where the step's whole output is kept (up to LOG_CAP_BYTES)
     lease_id: str | None = None  # chosen by the caller (the worktree lock names it); else new
+    user: StepUser | None = None  # the task's own uid (from the pool); None: the runner's
     home_files: dict[str, str] | None = None  # written into the step's scratch HOME first
     # In a sandbox (OVERNIGHT_SANDBOX): the tree bound read-write (default: cwd) and the
     # paths it may read besides the system folders (the task's prompt folder).
@@ -196,12 +197,18 @@ def supervised_runner(
 ) -> StepRunner:
     """Run each step under a lease, in this process (``worker.supervise.supervisor``), as ``user``
     (default: the step user the settings name, :func:`worker.sandbox.stepuser.configured`; agent
-    steps and verifier rules alike). Each of ``stop_signals`` (a work horse's SIGTERM: a
-    stop asked for) ends a running step as SIGALRM does (:func:`alarm_ends_step`)."""
+    steps and verifier rules alike), unless the request names its task's own uid. A user
+    that stands for a pool of uids runs a request naming none as a uid held for that step
+    alone. Each of ``stop_signals`` (a work horse's SIGTERM: a stop asked for) ends a
+    running step as SIGALRM does (:func:`alarm_ends_step`)."""
     as_user = user if user is not None else configured()
     sandboxed = launch.configured(as_user)
 
     def run(req: StepRequest) -> StepOutcome:
+        with uidpool.held(req.user or as_user, req.task_id) as step_user:
+            return run_as(req, step_user)
+
+    def run_as(req: StepRequest, step_user: StepUser | None) -> StepOutcome:
         capture = open_capture(req)
         spec = StepSpec(
             argv=req.argv,
@@ -217,7 +224,7 @@ def supervised_runner(
             task_id=req.task_id,
             stdin_data=req.stdin_data,
             grant=req.grant,
-            user=as_user,
+            user=step_user,
             home_files=req.home_files,
             sandbox=sandboxed,
             worktree=req.worktree,

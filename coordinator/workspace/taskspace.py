@@ -21,6 +21,7 @@ from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.checkout import Checked
 from overnight.coordinator.workspace.rulepath import rule_path, rule_user
 from overnight.coordinator.workspace.worktree import Base, Worktree
+from overnight.worker.sandbox.stepuser import hand_over
 from overnight.worker.supervise.procs import hostname
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class TaskSpace:
         self.namespace = namespace
         self.host = hostname()
         self.tree: Worktree | None = None
+        self.owner: StepUser | None = None  # whom this run handed the worktree to
         # The branch's last commit overnight knows (its audit trail is never rewound).
         self.last: str | None = rec.checkpoint.head or (self.base.sha if self.base else None)
 
@@ -90,8 +92,10 @@ class TaskSpace:
             fresh = not path.exists()
             branch = workspace.branch_name(self.task_id)
             self.tree = workspace.open_worktree(self.base.root, self.base.sha, branch, path)
-            if fresh and user is not None:
+            # A tree an earlier attempt left is another uid's when each task has its own.
+            if user is not None and (fresh or os.lstat(path).st_uid != user.uid):
                 _chown_tree(path, user)
+            self.owner = user
         return os.path.join(self.tree.path, self.base.subdir)
 
     def missing_workdir(self) -> str | None:
@@ -169,22 +173,24 @@ class TaskSpace:
         return out
 
     def close(self) -> None:
-        """The task's run here is over: unlock its worktree, drop its frozen copy."""
+        """The task's run here is over: unlock its worktree, drop its frozen copy, and take
+        back the worktree it handed to the step user (with a uid per task, that uid's next
+        task must not own it)."""
         with contextlib.suppress(workspace.GitError, OSError):
             self.unlock()
+        if self.tree is not None and self.owner is not None:
+            with contextlib.suppress(OSError):
+                hand_over(self.tree.path, os.geteuid(), os.getegid())
         frozen = self._frozen()
         if frozen.exists():
             checkout.remove_tree(frozen)
 
 
 def _chown_tree(path: Path, user: StepUser) -> None:
-    """Hand a fresh worktree to the step user (its ``.git`` file too: overnight never
-    trusts it)."""
-    for folder, dirs, files in os.walk(path):
-        for name in [*dirs, *files]:
-            with contextlib.suppress(OSError):
-                os.lchown(os.path.join(folder, name), user.uid, user.gid)
-    os.chown(path, user.uid, user.gid)
+    """Hand a worktree to the step user, closed to every other uid (its ``.git`` file too:
+    overnight never trusts it)."""
+    hand_over(path, user.uid, user.gid)
+    os.chmod(path, 0o700)
 
 
 def rule_argv(argv: list[str], base: Base | None, tree: Checked) -> list[str]:

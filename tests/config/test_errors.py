@@ -17,6 +17,7 @@ REFUSALS = [
     ("overnight.config.folders", "FolderUnusable", Exception),
     ("overnight.worker.sandbox.launch", "SandboxUnavailable", Exception),
     ("overnight.worker.sandbox.stepuser", "StepUserRefused", Exception),
+    ("overnight.worker.sandbox.uidpool", "PoolExhausted", Exception),
     ("overnight.worker.lease.store", "LeaseRefused", Exception),
     ("overnight.worker.lease.store", "LeaseCorrupt", ValueError),
     ("overnight.worker.gateway.meter", "Refused", Exception),

@@ -280,6 +280,7 @@ SETTINGS_VARS = [
     "OVERNIGHT_RECOVERY_INTERVAL",
     "OVERNIGHT_STEP_USER",
     "OVERNIGHT_ALLOW_ROOT_STEPS",
+    "OVERNIGHT_STEP_UIDS",
     "OVERNIGHT_ANTHROPIC_URL",
     "OVERNIGHT_ANTHROPIC_API_KEY",
     "OVERNIGHT_ANTHROPIC_MODEL",
@@ -320,6 +321,9 @@ ENV_VALUES = (
             "http://x",
             "https://model.example/v1",
             "true",
+            "61184-65519",
+            "9-8",
+            "off",
         ]
     )
 )

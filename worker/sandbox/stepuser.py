@@ -1,11 +1,13 @@
-"""Who a step runs as: the unprivileged step user when overnight runs as root.
+"""Who a step runs as: an unprivileged uid when overnight runs as root.
 
 A step running as root (or as overnight's own user) could read and write everything
-overnight keeps on the host. So when overnight runs as root, every agent step and verifier
-rule runs as ``OVERNIGHT_STEP_USER``; without one, only the explicit opt-in
-``OVERNIGHT_ALLOW_ROOT_STEPS`` lets steps run as root. A setting that cannot be honoured (no
-such user, a user of uid 0, a step user while overnight is not root) ends the command with
-one line naming it (exit 78): never a silent fallback to less containment.
+overnight keeps on the host. So when overnight runs as root, every step of a task runs as a
+uid of that task's own, taken from ``OVERNIGHT_STEP_UIDS`` for as long as the task runs
+here (:mod:`worker.sandbox.uidpool`); or, with ``OVERNIGHT_STEP_USER``, every step of every
+task runs as that one user. Only the explicit opt-in ``OVERNIGHT_ALLOW_ROOT_STEPS`` lets
+steps run as root. A setting that cannot be honoured (no such user, a user of uid 0, a step
+user while overnight is not root) ends the command with one line naming it (exit 78): never
+a silent fallback to less containment.
 
 :func:`decide` is the pure rule; :func:`configured` reads the settings of this process.
 """
@@ -21,20 +23,38 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from overnight.config import defaults
 from overnight.config.exits import EXIT_BAD_CONFIG, CommandError
+from overnight.config.validate import uid_bounds
 
 STEP_USER = "OVERNIGHT_STEP_USER"
 ALLOW_ROOT = "OVERNIGHT_ALLOW_ROOT_STEPS"
+STEP_UIDS = "OVERNIGHT_STEP_UIDS"
 
 
 @dataclass(frozen=True)
 class StepUser:
-    """The account steps run as: its name, uid, gid and supplementary groups."""
+    """The account steps run as: its name, uid, gid and supplementary groups.
+
+    With ``pool`` (the first and last uid of ``OVERNIGHT_STEP_UIDS``) it stands for any uid
+    of that range, for checks of what such a uid may reach: no step runs as it; each task
+    takes a uid of its own (:func:`worker.sandbox.uidpool.held`)."""
 
     name: str
     uid: int
     gid: int
     groups: tuple[int, ...] = ()
+    pool: tuple[int, int] | None = None
+
+
+def pooled(uid: int) -> StepUser:
+    """The step user of a uid taken from the pool: no account, its gid its uid, no groups."""
+    return StepUser(f"overnight-{uid}", uid, uid)
+
+
+def any_of(first: int, last: int) -> StepUser:
+    """Any uid of the range ``first``..``last``, for checks (see :class:`StepUser`)."""
+    return StepUser(f"overnight-{first}", first, first, (), (first, last))
 
 
 class StepUserRefused(CommandError):
@@ -63,8 +83,10 @@ def decide(
     allow_root: bool,
     euid: int,
     find: Callable[[str], StepUser | None] = lookup,
+    uids: str = defaults.STEP_UIDS,
 ) -> StepUser | None:
-    """Who steps run as (None: as this process's own user), or :class:`StepUserRefused`."""
+    """Who steps run as (None: as this process's own user; a user with a ``pool``: a uid of
+    that range per task), or :class:`StepUserRefused`. ``uids`` is ``OVERNIGHT_STEP_UIDS``."""
     if step_user:
         if euid != 0:
             why = f"cannot be honoured: overnight runs as uid {euid}, not root, so it cannot "
@@ -75,14 +97,17 @@ def decide(
         if found.uid == 0:
             raise StepUserRefused(STEP_USER, f"{step_user!r} has uid 0; steps must not run as root")
         return found
-    if euid == 0 and not allow_root:
+    if euid != 0 or allow_root:
+        return None
+    bounds = uid_bounds(uids)
+    if bounds is None:
         raise StepUserRefused(
             STEP_USER,
-            "overnight runs as root and no step user is set: set "
-            f"it to an unprivileged user (or {ALLOW_ROOT}=1 to run steps as "
-            "root)",
+            f"overnight runs as root, no step user is set and {STEP_UIDS} is off: set "
+            f"it to an unprivileged user, or {STEP_UIDS} to a range of uids (or "
+            f"{ALLOW_ROOT}=1 to run steps as root)",
         )
-    return None
+    return any_of(*bounds)
 
 
 @cache
@@ -92,11 +117,11 @@ def configured() -> StepUser | None:
 
     fast = read_fast(os.environ)
     if fast is not None:
-        return decide(fast.step_user, fast.allow_root_steps, os.geteuid())
+        return decide(fast.step_user, fast.allow_root_steps, os.geteuid(), uids=fast.step_uids)
     from overnight.config.context import settings
 
     s = settings()
-    return decide(s.step_user, s.allow_root_steps, os.geteuid())
+    return decide(s.step_user, s.allow_root_steps, os.geteuid(), uids=s.step_uids)
 
 
 def _allows(info: os.stat_result, user: StepUser, bits: int) -> bool:
@@ -179,11 +204,22 @@ def task_folder(base: Path, name: str, user: StepUser | None) -> Path:
     with contextlib.suppress(FileExistsError):
         os.mkdir(folder, 0o700)
     info = os.lstat(folder)
-    owner = user.uid if user is not None else os.geteuid()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid not in (owner, os.geteuid()):
+    if not stat.S_ISDIR(info.st_mode):
         raise PermissionError(f"{folder} is not a private folder")
+    owner = user.uid if user is not None else os.geteuid()
+    if info.st_uid not in (owner, os.geteuid()):  # an earlier attempt's uid: all of it is ours
+        hand_over(folder, owner, user.gid if user is not None else os.getegid())
     give(folder, user)
     return folder
+
+
+def hand_over(path: str | Path, uid: int, gid: int) -> None:
+    """Make the tree at ``path`` (links not followed) ``uid``'s and ``gid``'s, ``path`` last."""
+    for folder, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            with contextlib.suppress(OSError):
+                os.lchown(os.path.join(folder, name), uid, gid)
+    os.lchown(path, uid, gid)
 
 
 def write_file(path: Path, text: str) -> Path:

@@ -31,7 +31,13 @@ from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from overnight.worker.redisio.receipts import read as read_receipts
 from overnight.worker.sandbox import cgroup
-from overnight.worker.sandbox.stepuser import StepUser, StepUserRefused, decide, workdir_problem
+from overnight.worker.sandbox.stepuser import (
+    StepUser,
+    StepUserRefused,
+    any_of,
+    decide,
+    workdir_problem,
+)
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
 from tests import reachable
 from tests.helpers import OVERNIGHT, final_doc, lacking, task_file
@@ -53,7 +59,7 @@ def find(name: str) -> StepUser | None:
         (None, True, 0, None),  # root steps, explicitly allowed
         (None, False, 1000, None),  # a plain user: steps run as it
         (None, True, 1000, None),
-        (None, False, 0, "overnight runs as root and no step user is set"),
+        (None, False, 0, any_of(61184, 65519)),  # a uid of the default range per task
         ("nosuch", False, 0, "no such user 'nosuch'"),
         ("toor", True, 0, "'toor' has uid 0"),
         ("alice", False, 1000, "cannot be honoured: overnight runs as uid 1000"),
@@ -69,6 +75,23 @@ def test_who_steps_run_as(
         assert expected in caught.value.message and "\n" not in caught.value.message
     else:
         assert decide(step_user, allow_root, euid, find) == expected
+
+
+@pytest.mark.parametrize(
+    ("uids", "expected"),
+    [
+        ("1000-1999", any_of(1000, 1999)),
+        ("off", "no step user is set and OVERNIGHT_STEP_UIDS is off"),
+    ],
+)
+def test_root_without_a_step_user_takes_a_uid_per_task(uids: str, expected: StepUser | str) -> None:
+    if isinstance(expected, str):
+        with pytest.raises(StepUserRefused) as caught:
+            decide(None, False, 0, find, uids=uids)
+        assert expected in caught.value.message and caught.value.exit_code == 78
+    else:
+        assert decide(None, False, 0, find, uids=uids) == expected
+        assert decide(None, True, 0, find, uids=uids) is None  # the root opt-in still wins
 
 
 @pytest.mark.parametrize(
@@ -102,9 +125,9 @@ def test_workdir_problem(top: int, work: int, owner: str, problem: str | None) -
 @pytest.mark.parametrize(
     ("args", "settings"),
     [
-        (["supervise", "--", "true"], {}),
-        (["worker", "--burst"], {}),
-        (["up", "--exit-when-done"], {}),
+        (["supervise", "--", "true"], {"OVERNIGHT_STEP_UIDS": "off"}),
+        (["worker", "--burst"], {"OVERNIGHT_STEP_UIDS": "off"}),
+        (["up", "--exit-when-done"], {"OVERNIGHT_STEP_UIDS": "off"}),
         (["supervise", "--", "true"], {"OVERNIGHT_STEP_USER": "no-such-user-x"}),
         (["worker", "--burst"], {"OVERNIGHT_STEP_USER": "root"}),
         (["demo"], {"OVERNIGHT_STEP_USER": "no-such-user-x"}),
