@@ -105,7 +105,7 @@ def split_authority(text: str, default_port: int | None) -> tuple[str, int]:
         if default_port is None:
             raise ValueError(f"no port: {text!r}")
         return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536 or len(port_text) > 5:
+    if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 0 < int(port_text) < 65536:
         raise ValueError(f"not a port (1-65535): {port_text!r}")
     return host, int(port_text)
 

@@ -67,6 +67,8 @@ def test_entries_that_are_rules(text: str, rule: HostRule) -> None:
         "example.com:0",
         "example.com:65536",
         "example.com:+443",
+        "example.com:\u0664\u0664\u0663",  # digits, but not ASCII ones
+        "example.com:000443",
         "example.com:443:1",
         "2001:db8::1",  # an IPv6 address needs its brackets
         "[2001:db8::1",
