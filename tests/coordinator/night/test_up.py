@@ -31,6 +31,12 @@ def processes_with(var: str, value: str) -> list[int]:
     return sorted(procs.tagged(var, value))
 
 
+def reachable_python(env: dict[str, str]) -> dict[str, str]:
+    """``env`` whose ``python3`` (the examples' agent) is one a sandboxed step reaches: this
+    venv's (bound into every sandbox), never a shim under /root (the step's HOME is its own)."""
+    return {**env, "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
+
+
 def copy_examples(tmp_path: Path) -> Path:
     dest = tmp_path / "tasks"
     shutil.copytree(ROOT / "coordinator" / "examples", dest)
@@ -69,6 +75,7 @@ def test_up_runs_a_folder_to_its_end_states_and_leaves_nothing(
 ) -> None:
     tasks = copy_examples(tmp_path)
     args = ["up", "--tasks", str(tasks), "--budget", "16", "--exit-when-done"]
+    env = reachable_python(env)
     proc = subprocess.run(
         [OVERNIGHT, *args, "--state-dir", str(tmp_path / "state")],
         cwd=tmp_path,
@@ -141,6 +148,7 @@ def test_second_up_refuses_and_sigterm_stops_everything(
 def test_a_killed_up_leaves_nothing_of_its_night_running(
     tmp_path: Path, env: dict[str, str], namespace: str
 ) -> None:
+    env = reachable_python(env)
     tasks = copy_examples(tmp_path)
     up = subprocess.Popen(
         [OVERNIGHT, "up", "--tasks", str(tasks / "03-hangs"), "--budget", "10"],
@@ -155,7 +163,7 @@ def test_a_killed_up_leaves_nothing_of_its_night_running(
         found = []
         for proc in psutil.process_iter(["cmdline", "cwd"]):
             with contextlib.suppress(psutil.Error):
-                if "../agent.py" in (proc.info["cmdline"] or []) and (
+                if "agent.py" in (proc.info["cmdline"] or []) and (
                     proc.info["cwd"] or ""
                 ).startswith(work):
                     found.append(proc.pid)
