@@ -16,10 +16,10 @@ GRACE = 5.0
 # A running task's claim, renewed while its worker lives; lost steps before a task pauses.
 TASK_CLAIM_TTL = 15.0
 MAX_LOST_LEASES = 3
+SANDBOX = "bwrap"
 # The uids a task's steps may run as when overnight is root without a step user (one uid per
 # live task on a host); systemd's range for dynamic users.
 STEP_UIDS = "61184-65519"
-SANDBOX = "off"
 MODEL_NAME = "gpt-4o-mini"
 MODEL_TIMEOUT = 60.0
 # How long an envelope remembers a request id (a day).

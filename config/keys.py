@@ -125,6 +125,12 @@ class Keys:
         return f"{self.prefix}:lease:{lease_id}:grant"
 
     # --- coordination -------------------------------------------------------------------
+    @property
+    def sandbox_modes(self) -> str:
+        """Hash: host id -> how the steps of its latest started worker are contained
+        (``bwrap`` or ``off``), for status and the report."""
+        return f"{self.prefix}:sandbox"
+
     def instance(self, role: str) -> str:
         """String with a TTL: a running ``overnight up``/coordinator of this namespace."""
         return f"{self.prefix}:instance:{role}"

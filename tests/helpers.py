@@ -134,6 +134,60 @@ def read_pids(path: Path, count: int, timeout: float = 10) -> list[int]:
     return wait_for(ready, timeout=timeout)
 
 
+def _nspid(pid: str) -> list[int]:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    return []
+
+
+def host_pids(inner: list[int], cwd: Path, timeout: float = 10) -> list[int]:
+    """The pids, as this host numbers them, of the processes a step wrote down as ``inner``
+    (``os.getpid()`` inside a sandbox is its own pid namespace's number), the first of which
+    works in ``cwd``. Pids of a step without a pid namespace are returned as they are."""
+    want = os.path.realpath(cwd)
+
+    def found() -> list[int] | None:
+        ours: str | None = None
+        mapped: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                chain = _nspid(entry)
+                if not chain or chain[-1] != inner[0] or os.readlink(f"/proc/{entry}/cwd") != want:
+                    continue
+                if len(chain) == 1:
+                    return inner
+                ours = os.readlink(f"/proc/{entry}/ns/pid")
+            except OSError:
+                continue
+            mapped[inner[0]] = int(entry)
+            break
+        if ours is None:
+            return None
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError):
+                chain = _nspid(entry) if entry.isdigit() else []
+                if chain and chain[-1] in inner and os.readlink(f"/proc/{entry}/ns/pid") == ours:
+                    mapped[chain[-1]] = int(entry)
+        return [mapped[p] for p in inner] if len(mapped) == len(set(inner)) else None
+
+    return wait_for(found, timeout=timeout)
+
+
+def working_in(cwd: Path) -> list[int]:
+    """The pids of every process whose working folder is ``cwd`` (a sandboxed step's too)."""
+    want = os.path.realpath(cwd)
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and os.readlink(f"/proc/{entry}/cwd") == want:
+                found.append(int(entry))
+    return found
+
+
 def assert_all_gone(pids: list[int], timeout: float = 5) -> None:
     try:
         wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=timeout)

@@ -94,6 +94,7 @@ def report_command(plain: bool, html_file: Path | None) -> None:
         redis_notices,
         render_plain,
         render_rich,
+        sandbox_lines,
     )
 
     if html_file is not None:
@@ -107,6 +108,7 @@ def report_command(plain: bool, html_file: Path | None) -> None:
     footer = envelope_lines(redis_client(), settings().namespace, records)
     footer += ledger_lines(redis_client(), settings().namespace)
     footer += redis_notices(redis_client())
+    footer += sandbox_lines(redis_client(), settings().namespace)
     if plain or not sys.stdout.isatty():
         render_plain(records, sys.stdout, footer)
     else:

@@ -39,14 +39,20 @@ def task_record(store: TaskStore, task_id: str) -> TaskRecord:
 
 
 def statuses(store: TaskStore, records: list[TaskRecord]) -> list[dict[str, Any]]:
-    """``overnight status`` JSON of each record, token fields included."""
+    """``overnight status`` JSON of each record, token fields included, and ``sandbox``: how
+    the host of its worker contains steps (``bwrap``, ``off``; null before it ran)."""
     from overnight.coordinator.report.tokens import token_fields, with_tokens
     from overnight.coordinator.report.view import status_dict
+    from overnight.worker.sandbox import modes
 
     tokens = token_fields(store.client, store.keys, records)
-    return [
-        with_tokens(status_dict(rec, store.claim_alive(rec.id)), tokens[rec.id]) for rec in records
-    ]
+    hosts = modes.read(store.client, store.keys)
+    out = []
+    for rec in records:
+        found = with_tokens(status_dict(rec, store.claim_alive(rec.id)), tokens[rec.id])
+        found["sandbox"] = hosts.get(rec.runner.host) if rec.runner else None
+        out.append(found)
+    return out
 
 
 def status_json(store: TaskStore, rec: TaskRecord) -> str:
@@ -62,6 +68,8 @@ def status_command(task_id: str | None) -> None:
 
     tokens_used is what the gateway charged the task (held against max_tokens);
     input_tokens and output_tokens are the upstream's figures from the ledger.
+
+    sandbox is how the host that ran it contains steps (bwrap, or off).
 
     With no TASK, prints a JSON array with every task of the namespace.
     """

@@ -56,18 +56,23 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _host_ready() -> None:
-    """The step user and this host's folders, as ``overnight worker`` checks them first: one
-    that cannot be used ends ``rq worker -w`` with the same one line (and exit status)."""
+def _host_ready() -> bool:
+    """The step user, the sandbox and this host's folders, as ``overnight worker`` checks
+    them first: one that cannot be used ends ``rq worker -w`` with the same one line (and
+    exit status). Returns whether steps run sandboxed."""
     from overnight.config.exits import CommandError
     from overnight.coordinator.workspace.hostdirs import prepare_host
+    from overnight.worker.sandbox import launch
     from overnight.worker.sandbox.stepuser import configured
 
     try:
-        prepare_host(current_settings(), configured())
+        user = configured()
+        sandboxed = launch.configured(user)
+        prepare_host(current_settings(), user)
     except CommandError as exc:
         print(f"overnight: {exc.message}", file=sys.stderr, flush=True)
         raise SystemExit(exc.exit_code) from None
+    return sandboxed
 
 
 class OvernightWorker(Worker):
@@ -84,7 +89,7 @@ class OvernightWorker(Worker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         set_dumpable(False)  # `rq worker -w ...` does not come through overnight's CLI
-        _host_ready()  # likewise the check of its folders, before it takes any task
+        self._sandboxed = _host_ready()  # likewise its folders and sandbox, before any task
         super().__init__(*args, **kwargs)
         self._last_recovery: float | None = None
         self._last_log_prune: float | None = None
@@ -139,6 +144,16 @@ class OvernightWorker(Worker):
         # A worker (re)started while Redis refuses writes waits instead of dying at birth;
         # RQ registers in one MULTI/EXEC, so a refused try wrote nothing.
         self._ride(super().register_birth, again=True, born=True)
+        self._ride(self._record_sandbox, again=True, born=True)
+
+    def _record_sandbox(self) -> None:
+        from overnight.worker.sandbox import modes
+        from overnight.worker.supervise.procs import hostname
+
+        settings = current_settings()
+        mode = modes.BWRAP if self._sandboxed else modes.OFF
+        client = text_client(self.connection)
+        modes.record(client, Keys(settings.namespace), hostname(), mode, settings.retention)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         self._ride(partial(super().heartbeat, timeout, pipeline))

@@ -47,6 +47,7 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
             f"no example tasks at {examples}: this installation is incomplete", EXIT_USAGE
         )
     env, user = _step_user()
+    _sandbox_ready(user)  # exit 78 naming the fix before any folder is made
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     run_dir = make_folders(state_root.resolve() / "demo" / stamp, 0o711)
     scratch = scratch_folder(run_dir, user)
@@ -97,6 +98,13 @@ def _step_user() -> tuple[dict[str, str], StepUser | None]:
         file=sys.stderr,
     )
     return {STEP_USER: DEMO_USER}, user
+
+
+def _sandbox_ready(user: StepUser | None) -> None:
+    from overnight.config.settings import load_settings
+    from overnight.worker.sandbox import launch
+
+    launch.require(load_settings().sandbox, user)
 
 
 def scratch_folder(run_dir: Path, user: StepUser | None) -> Path:

@@ -233,7 +233,7 @@ def _run(
     from overnight.config.connection import describe, require_password
     from overnight.coordinator.dispatch.gateway_probe import gateway_answers, gateway_wanted
     from overnight.coordinator.night.control import ensure_envelope, submit_folders
-    from overnight.coordinator.report.view import envelope_lines, render_plain
+    from overnight.coordinator.report.view import envelope_lines, render_plain, sandbox_lines
     from overnight.coordinator.tasks.store import TaskStore
 
     client = connect(settings)
@@ -294,7 +294,8 @@ def _run(
         if stopper.signum:  # the steps it ends go back to queued before the states are shown
             stop_workers(stack, settings.grace)
         records = [r for r in (store.get(i) for i in ids) if r is not None]
-        render_plain(records, out, envelope_lines(client, keys.namespace, records))
+        footer = envelope_lines(client, keys.namespace, records)
+        render_plain(records, out, footer + sandbox_lines(client, keys.namespace))
         states = {r.id: r.state.value for r in records}
         why = "signal" if stopper.signum else "until" if night.ended else "done"
         report = night.finish(why)

@@ -42,11 +42,13 @@ def build(
     namespace: str = "",
     diffs: Mapping[str, str] | None = None,
     notices: Iterable[str] = (),
+    sandbox: str = "",
 ) -> Report:
     """The report of ``records`` as ``receipts`` tell it, with each envelope's state
     (``CallEnvelope.snapshot().model_dump()`` by name) at ``now``. ``diffs`` maps a task id to
     its branch's diff against its base, when the caller could compute it; ``notices`` are
-    lines the page shows first (what the night ran without that it should have had)."""
+    lines the page shows first (what the night ran without that it should have had);
+    ``sandbox`` says how steps were contained, host by host."""
     recs = sorted(records, key=lambda r: (r.submitted_unix, r.id))
     ids = {r.id for r in recs}
     rcs = [rc for rc in receipts if rc.task_id is None or rc.task_id in ids]
@@ -81,6 +83,7 @@ def build(
         concurrency=concurrency(bars),
         workers=tuple(workers),
         notices=tuple(notices),
+        sandbox=sandbox,
     )
 
 

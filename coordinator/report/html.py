@@ -24,7 +24,9 @@ def _header(report: Report) -> str:
     out.append(
         f"namespace <b>{esc(report.namespace or '-')}</b> · {clock(report.start)} → "
         f"{clock(report.end)} · wall time <b>{duration(report.wall_sec)}</b> · "
-        f"generated {clock(report.generated)}</p>"
+        f"generated {clock(report.generated)}"
+        + (f' · <span id="sandbox">{esc(report.sandbox)}</span>' if report.sandbox else "")
+        + "</p>"
     )
     if report.notices:
         out.append('<section id="notices"><h2>Ran without</h2><ul>')

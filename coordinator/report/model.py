@@ -173,6 +173,8 @@ class Report:
     workers: tuple[str, ...] = field(default=())
     # What the night ran without that it should have had (a Redis with no password).
     notices: tuple[str, ...] = field(default=())
+    # How steps were contained, host by host ("sandbox: bwrap (host vm)").
+    sandbox: str = ""
 
     @property
     def wall_sec(self) -> float:

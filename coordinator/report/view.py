@@ -276,9 +276,11 @@ def gather(client: Any, namespace: str, now: float | None = None) -> Report:
     from overnight.coordinator.tasks.store import TaskStore, server_time
     from overnight.worker.envelope.envelope import CallEnvelope
     from overnight.worker.redisio import receipts
+    from overnight.worker.sandbox import modes
 
     keys = Keys(namespace)
     records = TaskStore(client, keys).all()
+    hosts = modes.read(client, keys)
     names = {rec.spec.envelope for rec in records} | {"default"}
     envelopes = {}
     for name in sorted(names):
@@ -291,8 +293,19 @@ def gather(client: Any, namespace: str, now: float | None = None) -> Report:
         server_time(client) if now is None else now,
         namespace=namespace,
         diffs=task_diffs(records),
-        notices=redis_notices(client),
+        notices=[*redis_notices(client), *modes.notices(hosts)],
+        sandbox=modes.line(hosts),
     )
+
+
+def sandbox_lines(client: Any, namespace: str) -> list[str]:
+    """The plain report's lines on how each host contained steps: ``sandbox: bwrap`` (or
+    ``off``, with the hosts), and a warning for hosts that ran without one."""
+    from overnight.config.keys import Keys
+    from overnight.worker.sandbox import modes
+
+    hosts = modes.read(client, Keys(namespace))
+    return [modes.line(hosts), *modes.notices(hosts)]
 
 
 def redis_notices(client: Any) -> list[str]:

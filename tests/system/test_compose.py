@@ -65,6 +65,24 @@ def test_services_have_the_promised_shape() -> None:
     assert (ROOT / ".env.example").is_file() and (ROOT / "Dockerfile").is_file()
 
 
+def test_the_workers_may_build_a_sandbox_and_nothing_more() -> None:
+    """The worker's steps run in bwrap (the default) built from a user namespace: Docker's
+    seccomp, AppArmor and /proc masks are lifted for it, no capability is added, nothing
+    is privileged; the coordinator, which runs no step, keeps Docker's defaults. The image
+    installs bubblewrap."""
+    services = load()["services"]
+    worker = services["worker"]
+    assert sorted(worker["security_opt"]) == [
+        "apparmor=unconfined",
+        "seccomp=unconfined",
+        "systempaths=unconfined",
+    ]
+    assert "cap_add" not in worker and not worker.get("privileged")
+    assert "OVERNIGHT_SANDBOX" not in worker["environment"]  # the default: bwrap
+    assert "security_opt" not in services["coordinator"]
+    assert "bubblewrap" in (ROOT / "Dockerfile").read_text()
+
+
 def test_every_overnight_variable_is_a_real_setting() -> None:
     known = setting_env_names()
     services = load()["services"]

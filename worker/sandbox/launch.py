@@ -16,7 +16,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -38,14 +38,51 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PROBE_TIMEOUT = 20.0
 
 
+# What bwrap says when a container's or the kernel's policy refuses it, and the fix of each.
+_NAMESPACES = ("no permissions to create new namespace", "creating new namespace failed")
+_UID_MAP = "setting up uid map"
+_SLAVE = "failed to make / slave"
+_PROC = "can't mount proc"
+_HOST_USERNS = (
+    "allow unprivileged user namespaces (sysctl user.max_user_namespaces=15000; on Ubuntu "
+    "24.04 also kernel.apparmor_restrict_unprivileged_userns=0)"
+)
+_CONTAINER_OPTS = (
+    "run the container with security_opt seccomp=unconfined, apparmor=unconfined and "
+    "systempaths=unconfined (docker-compose.yml's worker service has them)"
+)
+
+
+def fix_for(problem: str, container: bool) -> str:
+    """The fix to name for a sandbox that could not start with ``problem`` (bwrap's own last
+    line, or what overnight found), on a host that is (or is not) a container."""
+    said = problem.lower()
+    if "bwrap is not installed" in said:
+        return "install bubblewrap (apt-get install bubblewrap)"
+    if "python3" in said:
+        return "install python3 in the system folders (apt-get install python3)"
+    if container and (_PROC in said or _SLAVE in said or any(n in said for n in _NAMESPACES)):
+        return _CONTAINER_OPTS
+    if container and _UID_MAP in said:
+        return f"{_CONTAINER_OPTS}, and on the host {_HOST_USERNS}"
+    if container:
+        return f"{_CONTAINER_OPTS}, or {_HOST_USERNS}"
+    return _HOST_USERNS
+
+
+def in_container() -> bool:
+    """Whether this process runs in a Docker or Podman container (their marker files)."""
+    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+
+
 class SandboxUnavailable(CommandError):
     """The sandbox is asked for and cannot start here (exit 78, one line naming the fix)."""
 
-    def __init__(self, problem: str) -> None:
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        fix = fix_for(problem, in_container()) if fix is None else fix
         super().__init__(
             f"bad configuration: {SANDBOX_VAR}={BWRAP}: no sandbox can start here ({problem}); "
-            "install bubblewrap (apt-get install bubblewrap) and allow unprivileged user "
-            f"namespaces, or set {SANDBOX_VAR}={OFF} to run steps without one",
+            f"{fix}, or set {SANDBOX_VAR}={OFF} to run steps without one",
             EXIT_BAD_CONFIG,
         )
         self.problem = problem
@@ -318,12 +355,17 @@ def probe(user: StepUser | None) -> str | None:
     return None
 
 
-def require(mode: str, user: StepUser | None) -> bool:
+def require(
+    mode: str,
+    user: StepUser | None,
+    tried: Callable[[StepUser | None], str | None] = probe,
+) -> bool:
     """True if steps run sandboxed (``mode`` is ``bwrap`` and a sandbox starts here),
-    False for ``off``; raises :class:`SandboxUnavailable` when one is asked for and cannot."""
+    False for ``off``; raises :class:`SandboxUnavailable` when one is asked for and cannot.
+    ``tried`` starts one and says why it could not (None: it could)."""
     if mode != BWRAP:
         return False
-    problem = probe(user)
+    problem = tried(user)
     if problem is not None:
         raise SandboxUnavailable(problem)
     return True
