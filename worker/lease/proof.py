@@ -82,7 +82,7 @@ def store(namespace: str, proof: Proof) -> bool:
     """Write ``proof`` atomically (0600, in a 0700 folder of this user); False if it could not."""
     target = path_for(namespace, proof.lease_id)
     try:
-        _private_dir(target.parent)
+        private_dir(target.parent)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -170,7 +170,7 @@ def check(namespace: str, doc: LeaseDoc) -> tuple[Proof | None, str]:
     return (proof, "") if not why else (None, why)
 
 
-def _private_dir(path: Path) -> None:
+def private_dir(path: Path) -> None:
     """Create ``path`` and the two folders above it 0700, and make sure each is this user's
     own, private, and not a symlink."""
     for level in (path.parent.parent, path.parent, path):

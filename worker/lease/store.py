@@ -15,6 +15,7 @@ import hashlib
 import os
 import secrets
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from overnight.config import defaults
@@ -68,6 +69,8 @@ RETENTION_SEC = _retention()
 # Same cap as worker.redisio.receipts.STREAM_MAXLEN (a test keeps them equal); not imported from
 # there because that module loads pydantic.
 STREAM_MAXLEN = 1_000_000
+# Leases per script call in beat_many (a script's unpack() takes a few thousand values).
+BEAT_BATCH = 500
 
 
 class LeaseRefused(OvernightError):
@@ -92,6 +95,7 @@ class Leases:
         self._acquire = register(client, "lease_acquire")
         self._attach = register(client, "lease_attach")
         self._beat = register(client, "lease_beat")
+        self._beat_many = register(client, "lease_beat_many")
         self._note = register(client, "lease_note")
         self._end = register(client, "lease_end")
         self._reap = register(client, "lease_reap")
@@ -179,6 +183,21 @@ class Leases:
             args=[token, "0" if note is None else "1", note or ""],
         )
         return int(_check(lease_id, res)) / 1000.0
+
+    def beat_many(self, items: Sequence[tuple[str, int]]) -> list[float | str]:
+        """Renew many ``(lease_id, token)`` in one round trip per :data:`BEAT_BATCH` of them
+        (``lease_beat_many.lua``), each with its own checks and lapse; per item, the seconds
+        until it lapses or the refusal reason (as :meth:`beat` would raise it)."""
+        k = self.keys
+        out: list[float | str] = []
+        for start in range(0, len(items), BEAT_BATCH):
+            chunk = items[start : start + BEAT_BATCH]
+            keys = [k.lease_expiry]
+            for lease_id, _token in chunk:
+                keys += [k.lease(lease_id), k.lease_alive(lease_id)]
+            replies = self._beat_many(keys=keys, args=[token for _id, token in chunk])
+            out += [int(r[1]) / 1000.0 if int(r[0]) == 1 else as_text(r[1]) for r in replies]
+        return out
 
     def set_note(self, lease_id: str, token: int, note: str) -> None:
         """Set the note of a live lease without renewing it."""

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from overnight.worker.beat.batch import Seat
 from overnight.worker.gateway.grant import Seen
 from overnight.worker.lease.store import LeaseCorrupt, LeaseDoc, LeaseRefused, Leases, lapsed_reason
 from overnight.worker.redisio.clients import io_timeout, redis_errors
@@ -56,6 +57,7 @@ class Keeper:
     clock.
     ``io_budget``: the longest one Redis call can block here (default: the supervisor
     client's read timeout, then its one retry's connect and read).
+    ``batch``: renew in the host's batch (:mod:`worker.beat.batch`) where there is one.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class Keeper:
         now: float,
         clock: Callable[[], float] = time.monotonic,
         io_budget: float | None = None,
+        batch: Seat | bool = True,
     ) -> None:
         self.leases = leases
         self.doc = doc
@@ -101,6 +104,9 @@ class Keeper:
         self.gateway_every = max(0.05, min(1.0, gap / 4))
         self.gateway_at = now
         self.limits: Guard | None = None  # the step's limits, once its child is watched
+        self.seat = batch if isinstance(batch, Seat) else None
+        if batch is True and clock is time.monotonic and isinstance(leases, Leases):
+            self.seat = Seat.for_host(leases, self.lease_id, self.token, self.renew_interval)
 
     @property
     def beat_pending(self) -> bool:
@@ -155,7 +161,7 @@ class Keeper:
             # must not make the poll loop spin until the next retry.
             wake = min(wake, self.retry_at, self.unreachable_since + self.gap, self.cut_off_at)
         elif self.beat_pending or self.beat_while_alive:
-            wake = min(wake, self.last_beat + self.renew_interval)
+            wake = min(wake, self.renew_at())
         if self.gateway is not None:
             wake = min(wake, self.gateway_at)
         if self.limits is not None:
@@ -164,7 +170,7 @@ class Keeper:
 
     def tick(self, now: float) -> Outcome | None:
         """Do what is due at ``now``; an outcome if the step must end."""
-        if self.beat_while_alive and now >= self.last_beat + self.renew_interval:
+        if self.beat_while_alive and now >= self.renew_at():
             self.beat_pending = True
         over = self.limits.tick(now) if self.limits is not None else None
         if over is not None:
@@ -185,7 +191,9 @@ class Keeper:
             if self.beat_pending:
                 return self._beat()
             return self._probe()
-        if self.beat_pending and now >= self.last_beat + self.renew_interval:
+        if self.seat is not None and (self.beat_pending or self.beat_while_alive):
+            self.seat = self.seat if self.seat.ask(self.last_beat, now) else None
+        if self.beat_pending and now >= self.renew_at():
             ended = self._beat()
             if ended is not None or self.unreachable_since is not None:
                 return ended
@@ -215,19 +223,33 @@ class Keeper:
                 self._beat_pending = True
         return None
 
+    def renew_at(self) -> float:
+        """When a renewal owed now is made (with a host batch: :func:`worker.beat.batch.due_at`)."""
+        if self.seat is None or self.unreachable_since is not None:
+            return self.last_beat + self.renew_interval
+        return self.seat.due(self.last_beat, self.clock())
+
     def _beat(self) -> Outcome | None:
         t = self.clock()
         try:
-            secs = self.leases.beat(self.lease_id, self.token)
+            alone = self.unreachable_since is not None  # renewed alone until Redis answers
+            got = self.seat.take(self.io_budget, alone=alone) if self.seat is not None else None
+            if got is not None and got.reason:
+                return self._refused(got.reason)
+            at, secs = (
+                (got.at, got.secs) if got else (t, self.leases.beat(self.lease_id, self.token))
+            )
         except LeaseRefused as exc:
             return self._refused(exc.reason)
         except self.errors:
             self._unreachable(t)
             return None
         self._reachable()
-        self._beat_pending = False
-        self.last_beat = t
-        self.lapse_at = t + secs
+        self._beat_pending = self.last_seen > at and not self.beat_while_alive
+        self.last_beat = at
+        self.lapse_at = at + secs
+        if self.seat is not None and self.beat_while_alive:
+            self.seat.ask(at, self.clock())
         return None
 
     def _probe(self) -> Outcome | None:
@@ -318,6 +340,8 @@ class Keeper:
         Returns whether this wrote it, the outcome (``lease-lost`` if the end could not be
         recorded) and the final document: as Redis holds it, else as last known here.
         """
+        if self.seat is not None:
+            self.seat.batch.forget(self.lease_id)
         if not ended.write:
             return False, ended, self._final_doc(ended)
         now = self.clock()
