@@ -234,32 +234,14 @@ def size(value: object) -> int:
     return number
 
 
-UIDS_RE = re.compile(r"^\s*(\d{1,10})\s*-\s*(\d{1,10})\s*$")
-# The uids a range of step uids may not hold: root, nobody's, and (uid_t)-1 truncated.
-RESERVED_UIDS = (0, 65534, 65535)
-
-
 def uid_range(value: object) -> str:
-    """A range of step uids, ``FIRST-LAST`` (normalised), or ``off``."""
-    if isinstance(value, str) and value.strip().lower() == "off":
-        return "off"
-    match = UIDS_RE.match(value) if isinstance(value, str) else None
-    if match is None:
-        raise ValueError("must be FIRST-LAST (two uids, e.g. 61184-65519) or off")
-    first, last = int(match.group(1)), int(match.group(2))
-    if not 0 < first <= last < 2**31 - 1:
-        raise ValueError("must be FIRST-LAST with 0 < FIRST <= LAST < 2147483647")
-    if any(first <= uid <= last for uid in RESERVED_UIDS):
-        raise ValueError("must not hold 65534 (nobody) or 65535")
-    return f"{first}-{last}"
-
-
-def uid_bounds(value: str) -> tuple[int, int] | None:
-    """The first and last uid of a range :func:`uid_range` accepted (None: ``off``)."""
-    if value == "off":
-        return None
-    first, last = value.split("-")
-    return int(first), int(last)
+    """Step uids, ``FIRST-LAST`` (0 < FIRST <= LAST < 2**31 - 1, without 65534-65535), or off."""
+    text = value.strip().lower() if isinstance(value, str) else ""
+    found = re.fullmatch(r"(\d{1,10})\s*-\s*(\d{1,10})", text)
+    first, last = (int(found[1]), int(found[2])) if found else (0, -1)
+    if text != "off" and not (0 < first <= last < 2**31 - 1 and (last < 65534 or first > 65535)):
+        raise ValueError("must be FIRST-LAST (uids from 1, without 65534 and 65535) or off")
+    return text if text == "off" else f"{first}-{last}"
 
 
 SANDBOX_MODES = ("bwrap", "off")

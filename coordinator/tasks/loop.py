@@ -11,7 +11,9 @@ claim; a :class:`ClaimKeeper` thread renews it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -52,7 +54,7 @@ from overnight.coordinator.workspace.taskspace import (
 from overnight.coordinator.workspace.worktree import GitError
 from overnight.worker.lease.store import new_lease_id
 from overnight.worker.sandbox import uidpool
-from overnight.worker.sandbox.stepuser import StepUser
+from overnight.worker.sandbox.stepuser import StepUser, hand_over
 
 __all__ = ["CallRefused", "Consume", "LoopConfig", "LoopEnd", "TaskLoop"]
 
@@ -163,6 +165,9 @@ class TaskLoop:
                 finally:
                     if self.space is not None:
                         self.space.close()
+                    if self.task_user is not None:  # the uid's next task must not own it
+                        with contextlib.suppress(OSError):
+                            hand_over(self.config.prompt_dir / rec.id, os.geteuid(), os.getegid())
         except (uidpool.PoolExhausted, FolderUnusable) as exc:
             return self._write(rec, Next(rec.checkpoint, PAUSED, f"no step uid: {exc}"))
         finally:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from overnight.config import defaults
 from overnight.config.exits import EXIT_BAD_CONFIG, CommandError
-from overnight.config.validate import uid_bounds
 
 STEP_USER = "OVERNIGHT_STEP_USER"
 ALLOW_ROOT = "OVERNIGHT_ALLOW_ROOT_STEPS"
@@ -99,15 +98,15 @@ def decide(
         return found
     if euid != 0 or allow_root:
         return None
-    bounds = uid_bounds(uids)
-    if bounds is None:
+    if uids == "off":
         raise StepUserRefused(
             STEP_USER,
             f"overnight runs as root, no step user is set and {STEP_UIDS} is off: set "
             f"it to an unprivileged user, or {STEP_UIDS} to a range of uids (or "
             f"{ALLOW_ROOT}=1 to run steps as root)",
         )
-    return any_of(*bounds)
+    first, last = (int(n) for n in uids.split("-"))
+    return any_of(first, last)
 
 
 @cache

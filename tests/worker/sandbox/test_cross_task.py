@@ -171,6 +171,8 @@ def test_a_task_cannot_read_kill_or_write_another_task(
             tree = next(state.glob(f"worktrees/*/{name}-*"))
             reports[name] = json.loads((tree / "report.json").read_text())
             assert tree.stat().st_uid == 0  # given back when the task ended
+            prompts = next(state.glob(f"prompts/*/{name}"))
+            assert prompts.stat().st_uid == 0 and (prompts / "prompt.txt").stat().st_uid == 0
         attack, benign = reports["b"], reports["c"]
         # The benign twin: its own child and its own worktree, as its own uid.
         assert benign["environ"] == "read with", benign

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from overnight.config.validate import uid_range
 from overnight.worker.sandbox import uidpool
 from overnight.worker.sandbox.stepuser import StepUser
 from overnight.worker.sandbox.uidpool import PoolExhausted, UidPool, ids_in_status, pick
@@ -55,6 +56,29 @@ def test_pick_starts_where_the_task_id_says_and_walks_on_past_taken_uids() -> No
     # At the end of the range it wraps to the start.
     last_task = next(f"t{n}" for n in range(100_000) if pick(f"t{n}", 0, 9, ()) == 9)
     assert pick(last_task, 0, 9, (9,)) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("61184-65519", "61184-65519"),
+        (" 1 - 5 ", "1-5"),
+        ("OFF", "off"),
+        ("65536-70000", "65536-70000"),
+        ("9-8", None),  # empty
+        ("0-5", None),  # root
+        ("65530-65540", None),  # nobody's
+        ("2147483646-2147483647", None),  # (uid_t)-1 as a signed int
+        ("61184", None),
+        (61184, None),
+    ],
+)
+def test_the_setting_of_step_uids(value: object, expected: str | None) -> None:
+    if expected is None:
+        with pytest.raises(ValueError, match="FIRST-LAST"):
+            uid_range(value)
+    else:
+        assert uid_range(value) == expected
 
 
 @pytest.mark.parametrize(
