@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import stat
 
 from overnight.coordinator.workspace.git import Where, git, git_bytes
@@ -36,6 +37,7 @@ def tree_of(where: Where) -> str:
     )
     rels = sorted(set(filter(None, out.split("\0"))))
     rows: list[str] = []
+    chunk = _chunk()
     root = os.open(where.work_tree, nofollow.DIR_FLAGS)
     try:
         owner = os.fstat(root).st_uid
@@ -50,7 +52,7 @@ def tree_of(where: Where) -> str:
                     rows.append(f"120000 {sha.decode()}\t{rel}")
                 elif got is not None:
                     files.append((rel, *got))
-                if len(files) >= CHUNK:
+                if len(files) >= chunk:
                     rows += _hash_files(where, files)
             rows += _hash_files(where, files)
         finally:
@@ -72,7 +74,12 @@ def tree_of(where: Where) -> str:
     return tree
 
 
-CHUNK = 200  # descriptors held open at once while their files are hashed
+def _chunk() -> int:
+    """How many descriptors to hold open at once while their files are hashed: half what
+    this process may open, within 64..4096."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = soft // 2 if soft != resource.RLIM_INFINITY else 4096
+    return max(64, min(4096, room))
 
 
 def _row_path(row: str) -> str:

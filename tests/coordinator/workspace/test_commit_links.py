@@ -222,3 +222,15 @@ def test_benign_twin_a_clean_worktree_is_removed_and_a_dirty_one_kept(
     workspace.commit_step(wt, "turn 1", keep=None)
     workspace.remove_worktree(wt.root, wt.path)
     assert not os.path.lexists(wt.path)
+
+
+def test_files_hashed_in_several_batches_keep_their_own_content(
+    wt: workspace.Worktree, step_user: StepUser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from overnight.coordinator.workspace import tree
+
+    monkeypatch.setattr(tree, "_chunk", lambda: 3)  # 3 descriptors a batch: many batches
+    plant = 'cd "$1" && mkdir m && for i in 1 2 3 4 5 6 7 8 9 10; do echo "n$i" > "m/f$i"; done'
+    as_user(step_user, plant, wt.path)
+    got = entries(wt, workspace.commit_step(wt, "turn 1", keep=None))
+    assert all(got[f"m/f{i}"] == ("100644", f"n{i}\n".encode()) for i in range(1, 11))
