@@ -230,8 +230,14 @@ def _snapshot_tree(base: Base, globs: Sequence[str], frozen: Path, tree: Path) -
 
 
 def remove_tree(path: Path) -> None:
-    """Remove ``path`` and all it holds, never following a link in it."""
-    nofollow.remove_path(path)
+    """Remove ``path`` and all it holds, never following a link in it; what cannot be
+    removed (a step still writing there) is left, as a scratch folder may be."""
+    for _ in range(2):
+        try:
+            nofollow.remove_path(path)
+            return
+        except OSError:
+            continue
 
 
 def rewrite_argv(argv: Sequence[str], root: str, tree: str) -> list[str]:

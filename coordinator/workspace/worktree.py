@@ -247,7 +247,10 @@ def remove_worktree(root: str, path: str) -> None:
     status = git("status", "--porcelain", "--untracked-files=normal", at=Where(admin, path))
     if status.strip():
         raise GitError(f"{path} contains modified or untracked files")
-    nofollow.remove_path(path)
+    try:
+        nofollow.remove_path(path)
+    except OSError as exc:
+        raise GitError(f"{path} could not be removed: {exc.strerror or exc}") from None
     git("worktree", "prune", cwd=root)
 
 
