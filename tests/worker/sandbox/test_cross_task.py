@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from overnight.config.defaults import STEP_PIDS
 from overnight.worker.sandbox import launch
 from tests.helpers import OVERNIGHT, capability, cli, pid_alive, task_file, wait_for, worker_env
 
@@ -41,7 +42,7 @@ pathlib.Path("ok.txt").write_text("a\\n")
 # Task B's (and C's) agent: the three moves against TARGET_PID and TARGET_TREE ("self": its
 # own child, holding SECRET in its environment, and its own worktree).
 PROBE = """
-import json, os, signal, subprocess, time
+import json, os, resource, signal, subprocess, time
 secret = os.environ["SECRET"]
 pid, tree = os.environ["TARGET_PID"], os.environ["TARGET_TREE"]
 child = None
@@ -52,6 +53,7 @@ if pid == "self":
     while b"sleep" not in open(f"/proc/{pid}/cmdline", "rb").read() and time.monotonic() < end:
         time.sleep(0.02)
 got = {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups()}
+got["nproc"] = list(resource.getrlimit(resource.RLIMIT_NPROC))
 try:
     with open(f"/proc/{pid}/environ", "rb") as fh:
         got["environ"] = "read " + ("with" if secret.encode() in fh.read() else "without")
@@ -183,6 +185,9 @@ def test_a_task_cannot_read_kill_or_write_another_task(
         assert not attack["environ"].startswith("read"), attack
         assert attack["kill"] != "sent" and attack["write"] != "written", attack
         assert pid_alive(agent) and uid_of(agent) == uid_a
+        # RLIMIT_NPROC counts the step's own uid: none of its processes ran at launch, so
+        # the limit is the step's pids alone, a per-task limit.
+        assert attack["nproc"] == benign["nproc"] == [STEP_PIDS] * 2, (attack, benign)
         assert not (tree_a / "planted.txt").exists()
         (tree_a / "release").write_text("go\n")
         assert worker_a.wait(timeout=120) == 0, (stage / "worker-a.log").read_text()[-3000:]
