@@ -3,6 +3,11 @@
 Run: ``.venv/bin/python -m bench.envelope`` (about 30 s). It starts its own private
 redis-server; 8 client processes hammer one key (or one envelope) per mode, the modes
 interleaved over rounds so background load hits them alike.
+
+``--wait`` measures instead what acknowledging each spend by a replica costs
+(``OVERNIGHT_REDIS_WAIT_REPLICAS=1``): one client's try_consume latency, p50 and p99, with
+and without ``WAIT 1``, against a private primary and its replica, in the same run, the two
+interleaved in batches.
 """
 
 from __future__ import annotations
@@ -103,6 +108,58 @@ def _prepare(url: str) -> None:
     client.close()
 
 
+def _percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+def wait_cost(calls: int, batch: int = 500) -> dict[int, list[float]]:
+    """Seconds per try_consume, by replicas waited for (0 and 1), ``calls`` of each, against
+    a private primary and its replica."""
+    password = uuid.uuid4().hex
+    auth = ["--masterauth", password]
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(Path(tmp) / "primary", password=password, extra_args=auth) as primary,
+    ):
+        follow = [*auth, "--replicaof", "127.0.0.1", str(primary.port)]
+        with EmbeddedRedis(Path(tmp) / "replica", password=password, extra_args=follow) as rep:
+            probe = redis.Redis.from_url(rep.url, decode_responses=True)
+            deadline = time.monotonic() + 30
+            while probe.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica never synced")
+                time.sleep(0.05)
+            probe.close()
+            client = redis.Redis.from_url(primary.url, decode_responses=True)
+            envelopes = {
+                n: CallEnvelope(client, "bench", NAMESPACE, replicas=n, replica_timeout=1.0)
+                for n in (0, 1)
+            }
+            envelopes[0].reset(BIG)
+            seconds: dict[int, list[float]] = {0: [], 1: []}
+            while len(seconds[1]) < calls:
+                for n, env in envelopes.items():
+                    for _ in range(batch):
+                        began = time.perf_counter()
+                        env.try_consume("model")
+                        seconds[n].append(time.perf_counter() - began)
+            client.close()
+    return seconds
+
+
+def main_wait(calls: int) -> int:
+    seconds = wait_cost(calls)
+    print(f"try_consume latency, one client, {len(seconds[0]):,} calls each, primary + replica")
+    for n, label in ((0, "no WAIT"), (1, "WAIT 1 (a replica acknowledges)")):
+        p50, p99 = _percentile(seconds[n], 50) * 1e6, _percentile(seconds[n], 99) * 1e6
+        print(f"  {label:<32} p50 {p50:7.0f} us   p99 {p99:7.0f} us")
+    extra50 = (_percentile(seconds[1], 50) - _percentile(seconds[0], 50)) * 1e6
+    extra99 = (_percentile(seconds[1], 99) - _percentile(seconds[0], 99)) * 1e6
+    print(f"  cost of WAIT: +{extra50:.0f} us at p50, +{extra99:.0f} us at p99 per spend")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the three rates and the ratios; exit 1 if a target is missed
     and ``--check`` was given."""
@@ -111,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="per mode and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument(
+        "--wait", action="store_true", help="measure the latency a replica's WAIT adds instead"
+    )
+    parser.add_argument("--calls", type=int, default=5000, help="with --wait: calls per mode")
     args = parser.parse_args(argv)
+    if args.wait:
+        return main_wait(args.calls)
 
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     server_us: dict[str, list[float]] = {mode: [] for mode in MODES}

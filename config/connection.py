@@ -1,32 +1,250 @@
-"""Building Redis clients from settings."""
+"""Building Redis clients from settings: every client overnight makes comes from here.
+
+``OVERNIGHT_REDIS_URL`` is a redis-py URL (``redis://``, ``rediss://``, ``unix://``) or a
+Sentinel-managed primary::
+
+    redis+sentinel://[[user]:password@]host1[:port1][,host2[:port2]...]/service[?query]
+
+with ``db``, ``sentinel_username`` and ``sentinel_password`` in the query (the password in
+front of the hosts is the primary's). A client for it asks the sentinels where the primary
+is on every (re)connect, so it follows a failover without a restart.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     import redis
+    import redis.asyncio as aioredis
 
     from overnight.config.settings import Settings
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+_SENTINEL_QUERY = ("db", "sentinel_username", "sentinel_password")
+
+
+class SentinelUrl(BaseModel):
+    """A ``redis+sentinel://`` URL taken apart."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+
+def is_sentinel(url: str) -> bool:
+    return url.lower().startswith(SENTINEL_SCHEME + "://")
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Take a ``redis+sentinel://`` URL apart; ``ValueError`` names what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != SENTINEL_SCHEME:
+        raise ValueError(f"must start with {SENTINEL_SCHEME}://")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, colon, password = auth.partition(":")
+    sentinels = tuple(_host_port(item) for item in hosts.split(","))
+    service = unquote(parts.path.strip("/"))
+    if not service or "/" in service:
+        raise ValueError("needs the service name as its path (/mymaster)")
+    query: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key not in _SENTINEL_QUERY:
+            raise ValueError(
+                f"unknown query parameter {key!r} (known: {', '.join(_SENTINEL_QUERY)})"
+            )
+        query[key] = value
+    db = query.get("db", "0") or "0"
+    if not db.isdigit():
+        raise ValueError("database number must be a whole number")
+    return SentinelUrl(
+        sentinels=sentinels,
+        service=service,
+        db=int(db),
+        username=unquote(user) or None,
+        password=unquote(password) if colon and password else None,
+        sentinel_username=query.get("sentinel_username") or None,
+        sentinel_password=query.get("sentinel_password") or None,
+    )
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    if not item:
+        raise ValueError("needs one or more sentinels, host:port separated by commas")
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"bad sentinel address {item!r}")
+    else:
+        host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
+    if not host:
+        raise ValueError(f"bad sentinel address {item!r}: no host")
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise ValueError(f"bad sentinel address {item!r}: invalid port")
+    return host, int(port) if port else SENTINEL_PORT
+
+
+def mask_sentinel_url(url: str) -> str:
+    """``url`` with the primary's and the sentinels' passwords replaced by ``****``."""
+    parts = urlsplit(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, colon, _ = auth.partition(":")
+    netloc = f"{user}:****@{hosts}" if colon else parts.netloc
+    query = [
+        (k, "****" if k == "sentinel_password" and v else v)
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+    ]
+    return parts._replace(netloc=netloc, query=urlencode(query, safe="*")).geturl()
+
+
+def sentinel_url(target: SentinelUrl) -> str:
+    """The URL :func:`parse_sentinel_url` takes apart into ``target``."""
+    auth = ""
+    if target.password:
+        auth = f"{quote(target.username or '', safe='')}:{quote(target.password, safe='')}@"
+    elif target.username:
+        auth = f"{quote(target.username, safe='')}@"
+    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in target.sentinels)
+    query = {"db": str(target.db)}
+    if target.sentinel_username:
+        query["sentinel_username"] = target.sentinel_username
+    if target.sentinel_password:
+        query["sentinel_password"] = target.sentinel_password
+    return f"{SENTINEL_SCHEME}://{auth}{hosts}/{quote(target.service, safe='')}?{urlencode(query)}"
+
+
+def _sentinel_kwargs(target: SentinelUrl, timeout: float) -> dict[str, Any]:
+    """How overnight talks to the sentinels themselves (their own user and password)."""
+    return {
+        "username": target.sentinel_username,
+        "password": target.sentinel_password,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+    }
+
+
+def client_from_url(
+    url: str, *, timeout: float, decode_responses: bool = True, **options: Any
+) -> redis.Redis:
+    """A client for ``url`` with ``timeout`` on every socket operation; ``options`` go to
+    redis-py's client (``retry``, ``retry_on_timeout``). For a Sentinel URL, the client of
+    the primary the sentinels name, asked again on every reconnect."""
+    import redis
+
+    common = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "decode_responses": decode_responses,
+        **options,
+    }
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **common)
+    from redis.sentinel import Sentinel
+
+    target = parse_sentinel_url(url)
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout))
+    client = sentinel.master_for(
+        target.service,
+        redis_class=redis.Redis,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        **common,
+    )
+    return cast("redis.Redis", client)
+
+
+def async_client_from_url(
+    url: str, *, timeout: float, max_connections: int, decode_responses: bool = True
+) -> aioredis.Redis:
+    """The asyncio twin of :func:`client_from_url` (the gateway's): at most
+    ``max_connections``, a caller waiting up to ``timeout`` for a free one."""
+    import redis.asyncio as aioredis
+
+    common: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "decode_responses": decode_responses,
+        "max_connections": max_connections,
+    }
+    if not is_sentinel(url):
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout, **common)
+        return aioredis.Redis(connection_pool=pool)
+    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+    class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+        """The primary's pool, waiting for a free connection as the plain one does."""
+
+    target = parse_sentinel_url(url)
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout))
+    client = sentinel.master_for(
+        target.service,
+        redis_class=aioredis.Redis,
+        connection_pool_class=BlockingSentinelPool,
+        timeout=timeout,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        **common,
+    )
+    return cast("aioredis.Redis", client)
+
+
+def same_server(client: redis.Redis, *, drop: tuple[str, ...] = (), **options: Any) -> redis.Redis:
+    """A new client (a pool of its own) for the server ``client`` talks to, with ``options``
+    changed and the connection options named in ``drop`` left out; one of a Sentinel-managed
+    primary follows a failover as ``client`` does."""
+    import redis
+    from redis.sentinel import SentinelConnectionPool
+
+    pool = client.connection_pool
+    kwargs = {
+        k: v for k, v in pool.connection_kwargs.items() if k not in drop and k != "connection_pool"
+    }
+    kwargs.update(options)
+    if isinstance(pool, SentinelConnectionPool):
+        new: redis.ConnectionPool = SentinelConnectionPool(  # type: ignore[no-untyped-call]
+            pool.service_name, pool.sentinel_manager, **kwargs
+        )
+    else:
+        new = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    return redis.Redis(connection_pool=new)
 
 
 def connect(
     settings: Settings, *, timeout: float = 5.0, decode_responses: bool = True
 ) -> redis.Redis:
-    """A client for ``settings.redis_url`` (redis://, rediss://, unix://, ACL users).
+    """A client for ``settings.redis_url`` (redis://, rediss://, unix://, ACL users, or a
+    Sentinel-managed primary).
 
     Connecting is lazy: the first command raises ``redis.ConnectionError`` if the server
     cannot be reached. Timeouts are bounded so an unreachable server never hangs a caller.
     """
-    import redis
-
-    return redis.Redis.from_url(
+    return client_from_url(
         settings.redis_url,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
+        timeout=timeout,
         decode_responses=decode_responses,
         retry_on_timeout=False,
     )
+
+
+def wait_replicas(settings: Settings) -> int:
+    """How many replicas must acknowledge an envelope spend before its call goes ahead:
+    ``OVERNIGHT_REDIS_WAIT_REPLICAS``, or unset, 1 for a Sentinel URL and 0 (no wait) else."""
+    if settings.redis_wait_replicas is not None:
+        return settings.redis_wait_replicas
+    return 1 if is_sentinel(settings.redis_url) else 0
 
 
 def describe(settings: Settings) -> str:
@@ -47,15 +265,7 @@ def anyone_gets_in(client: redis.Redis) -> bool:
     default user off or passworded) answers NOAUTH; connection errors are raised."""
     import redis as redis_lib
 
-    pool = client.connection_pool
-    kwargs = {
-        k: v
-        for k, v in pool.connection_kwargs.items()
-        if k not in ("username", "password", "credential_provider")
-    }
-    bare = redis_lib.Redis(
-        connection_pool=redis_lib.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-    )
+    bare = same_server(client, drop=("username", "password", "credential_provider"))
     try:
         bare.ping()
     except redis_lib.AuthenticationError:

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     # `up`, `worker` and `coordinator` refuse a Redis that answers without a password (exit
     # 78) unless this accepts it; then they say so at start and the report says so too.
     allow_passwordless_redis: bool = False
+    # Replicas that must acknowledge an envelope spend (WAIT) before its call goes ahead;
+    # unset: 1 for a redis+sentinel:// URL, else 0 (no wait).
+    redis_wait_replicas: int | None = Field(None, ge=0)
+    redis_wait_timeout: float = Field(1.0, gt=0)
     namespace: str = defaults.NAMESPACE
     queue: str = "overnight"
     heartbeat_gap: float = Field(defaults.HEARTBEAT_GAP, gt=0)

@@ -35,12 +35,18 @@ def name(value: object) -> str:
 
 
 def redis_url(value: object) -> str:
-    """A URL redis-py can connect with: redis://, rediss:// or unix://."""
+    """A URL redis-py can connect with (redis://, rediss:// or unix://), or a Sentinel-managed
+    primary (redis+sentinel://)."""
     if not isinstance(value, str):
         raise ValueError("must be a URL")
+    from overnight.config.connection import is_sentinel, parse_sentinel_url
+
+    if is_sentinel(value):
+        parse_sentinel_url(value)
+        return value
     parts = urlsplit(value)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError("must start with redis://, rediss:// or unix://")
+        raise ValueError("must start with redis://, rediss://, unix:// or redis+sentinel://")
     if parts.scheme == "unix":
         if not parts.path:
             raise ValueError("a unix:// URL needs a socket path")
@@ -59,6 +65,10 @@ def redis_url(value: object) -> str:
 
 def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``****``."""
+    from overnight.config.connection import is_sentinel, mask_sentinel_url
+
+    if is_sentinel(url):
+        return mask_sentinel_url(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -286,6 +296,8 @@ def stop_at(value: object) -> str | None:
 RULES: dict[str, Callable[[object], object]] = {
     "redis_url": redis_url,
     "allow_passwordless_redis": flag,
+    "redis_wait_replicas": optional(whole(0)),
+    "redis_wait_timeout": positive,
     "namespace": name,
     "queue": name,
     "heartbeat_gap": positive,

@@ -41,8 +41,8 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
     once it listens; SIGTERM or Ctrl-C stops it.
     """
     import redis
-    import redis.asyncio as aioredis
 
+    from overnight.config.connection import async_client_from_url
     from overnight.config.context import redis_client, settings
     from overnight.config.folders import usable
     from overnight.config.runtime import gateway_socket
@@ -62,17 +62,9 @@ def gateway_command(host: str | None, port: int | None, verbose: bool) -> None:
         raise CommandError(
             f"Redis unreachable at {mask_url(cfg.redis_url)}: {exc}", EXIT_REDIS_DOWN
         ) from None
-    # A bounded pool that waits for a free connection: 200 requests at once share a few
-    # dozen connections instead of failing with "Too many connections".
-    pool = aioredis.BlockingConnectionPool.from_url(
-        cfg.redis_url,
-        max_connections=64,
-        timeout=5.0,
-        decode_responses=True,
-        socket_timeout=5.0,
-        socket_connect_timeout=5.0,
-    )
-    client = aioredis.Redis(connection_pool=pool)
+    # A bounded pool: 200 requests at once share a few dozen connections instead of failing
+    # with "Too many connections".
+    client = async_client_from_url(cfg.redis_url, timeout=5.0, max_connections=64)
     bind_host = host or cfg.gateway_host
     bind_port = cfg.gateway_port if port is None else port
     socket_path = gateway_socket(cfg.namespace)

@@ -18,6 +18,8 @@ from typing import Any
 
 import redis
 
+from overnight.config.connection import same_server
+
 # Imported here so a forked work horse finds them loaded and starts each task at once.
 from overnight.config.context import settings as current_settings
 from overnight.config.errors import OvernightError
@@ -43,16 +45,14 @@ _text_clients: weakref.WeakKeyDictionary[Any, redis.Redis] = weakref.WeakKeyDict
 
 
 def text_client(conn: redis.Redis) -> redis.Redis:
-    """A ``decode_responses=True`` client on the same server, user and TLS as ``conn``."""
+    """A ``decode_responses=True`` client on the same server, user and TLS as ``conn`` (the
+    same Sentinel-managed primary, if it is one)."""
     pool = conn.connection_pool
     found = _text_clients.get(pool)
     if found is None:
         # driver_info=None: no CLIENT SETINFO round trips, and no look-up of redis-py's
         # version, on each of a work horse's connects.
-        kwargs = {**pool.connection_kwargs, "decode_responses": True, "driver_info": None}
-        found = redis.Redis(
-            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-        )
+        found = same_server(conn, decode_responses=True, driver_info=None)
         _text_clients[pool] = found
     return found
 
@@ -134,7 +134,7 @@ def perform_task(namespace: str, task_id: str, attempt: int) -> str:
     loop = TaskLoop(
         TaskStore(client, keys, retention=settings.retention),
         runner,
-        envelope_consume(client, namespace, task_id, settings.request_id_ttl),
+        envelope_consume(client, namespace, task_id, settings),
         config,
     )
     who = Runner(

@@ -46,14 +46,26 @@ def loop_config(settings: Settings, namespace: str) -> LoopConfig:
     )
 
 
-def envelope_consume(client: redis.Redis, namespace: str, task_id: str, ttl: int) -> Consume:
-    """Charge the shared envelope named by the task; an empty one raises CallRefused."""
+def envelope_consume(
+    client: redis.Redis, namespace: str, task_id: str, settings: Settings
+) -> Consume:
+    """Charge the shared envelope named by the task (acknowledged by the replicas the settings
+    ask for); an empty one raises CallRefused."""
+    from overnight.config.connection import wait_replicas
+
     envelopes: dict[str, CallEnvelope] = {}
+    replicas = wait_replicas(settings)
 
     def consume(name: str, kind: str, request_id: str) -> None:
         if name not in envelopes:
             envelopes[name] = CallEnvelope(
-                client, name, namespace, request_ttl=ttl, task_id=task_id
+                client,
+                name,
+                namespace,
+                request_ttl=settings.request_id_ttl,
+                task_id=task_id,
+                replicas=replicas,
+                replica_timeout=settings.redis_wait_timeout,
             )
         try:
             envelopes[name].try_consume(kind, request_id=request_id)

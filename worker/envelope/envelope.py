@@ -63,7 +63,10 @@ class CallEnvelope:
     """A named, shared budget of calls on one Redis; every method is one atomic script.
 
     ``redis_client`` may decode responses or not. ``namespace=None`` means the configured
-    ``OVERNIGHT_NAMESPACE``. ``task_id``/``lease_id`` only label receipts.
+    ``OVERNIGHT_NAMESPACE``. ``task_id``/``lease_id`` only label receipts. With ``replicas``,
+    a spend that lets a call go ahead (consume, reserve) must be acknowledged by that many
+    replicas within ``replica_timeout`` seconds (WAIT), or the call is refused
+    (:class:`EnvelopeUnavailable`): a failover then cannot forget a spend whose call was made.
     """
 
     def __init__(
@@ -75,6 +78,8 @@ class CallEnvelope:
         request_ttl: int | None = None,
         task_id: str | None = None,
         lease_id: str | None = None,
+        replicas: int = 0,
+        replica_timeout: float = 1.0,
     ) -> None:
         if not NAME_RE.match(name):
             raise ValueError(f"bad envelope name {name!r}: letters, digits, '.', '_', '-'")
@@ -89,6 +94,8 @@ class CallEnvelope:
         self.namespace = namespace
         self.keys = Keys(namespace)
         self.request_ttl = request_ttl
+        self.replicas = replicas
+        self.replica_timeout_ms = max(1, int(replica_timeout * 1000))
         k = self.keys
         self._keys = [k.envelope(name), k.envelope_reservations(name), k.receipts]
         # Receipt labels travel as one argument; scripts decode them only to write a receipt.
@@ -111,11 +118,14 @@ class CallEnvelope:
     def from_settings(
         cls, name: str = "default", settings: Settings | None = None, **kwargs: Any
     ) -> CallEnvelope:
-        """An envelope on ``OVERNIGHT_REDIS_URL`` in ``OVERNIGHT_NAMESPACE``."""
-        from overnight.config.connection import connect
+        """An envelope on ``OVERNIGHT_REDIS_URL`` in ``OVERNIGHT_NAMESPACE``, its spends
+        acknowledged by ``OVERNIGHT_REDIS_WAIT_REPLICAS`` replicas."""
+        from overnight.config.connection import connect, wait_replicas
         from overnight.config.settings import load_settings
 
         settings = settings or load_settings()
+        kwargs.setdefault("replicas", wait_replicas(settings))
+        kwargs.setdefault("replica_timeout", settings.redis_wait_timeout)
         return cls(
             connect(settings),
             name,
@@ -191,10 +201,10 @@ class CallEnvelope:
         dry = "1" if dry_run else "0"
         if request_id is None:
             args: tuple[str | int, ...] = (*self._keys, *self._context, kind, units, dry)
-            return self._run(self._consume, kind, 3, args, units).state
+            return self._run(self._consume, kind, 3, args, units, ack=not dry_run).state
         keys = self._keys_for(request_id)
         args = (*keys, *self._context, kind, units, dry, self.request_ttl, request_id)
-        return self._run(self._consume, kind, 4, args, units).state
+        return self._run(self._consume, kind, 4, args, units, ack=not dry_run).state
 
     def reserve(
         self,
@@ -226,7 +236,7 @@ class CallEnvelope:
             self.request_ttl,
             request_id or "",
         )
-        reply = self._run(self._reserve, kind, len(keys), args, units)
+        reply = self._run(self._reserve, kind, len(keys), args, units, ack=True)
         member, expires = reply.extra
         rsv_id, _, _ = member.split(":")
         return Reservation(rsv_id, cast(Kind, kind), units, int(expires), reply.state)
@@ -282,10 +292,21 @@ class CallEnvelope:
         units: int = 1,
         *,
         refuse: bool = True,
+        ack: bool = False,
     ) -> Reply:
+        """One script; with ``ack`` (a spend that lets a call go ahead) and ``replicas``, its
+        WAIT too, on the same connection (WAIT counts that connection's writes)."""
+        keys = cast(Sequence[str], keys_and_args[:numkeys])
+        args = keys_and_args[numkeys:]
+        acked = None
         try:
-            keys = cast(Sequence[str], keys_and_args[:numkeys])
-            raw = script(keys=keys, args=keys_and_args[numkeys:])
+            if ack and self.replicas > 0:
+                with self.client.pipeline(transaction=False) as pipe:
+                    script(keys=keys, args=args, client=pipe)
+                    pipe.wait(self.replicas, self.replica_timeout_ms)
+                    raw, acked = pipe.execute()
+            else:
+                raw = script(keys=keys, args=args)
         except redis.RedisError as exc:
             raise EnvelopeUnavailable(kind, " ".join(str(exc).split())) from exc
         reply = Reply.parse(raw)
@@ -299,6 +320,15 @@ class CallEnvelope:
                 state = state.model_copy(update={"exists": False})
             raise EnvelopeEmpty(
                 kind, state.remaining, reason=reply.reason, units=units, state=state, name=self.name
+            )
+        if acked is not None and int(acked) < self.replicas:
+            # The spend stands on the primary, but a failover now could forget it: the call
+            # is refused, as when Redis cannot be asked (a retry under its request id
+            # is charged once).
+            raise EnvelopeUnavailable(
+                kind,
+                f"the spend was acknowledged by {int(acked)} of {self.replicas} replica(s) "
+                f"within {self.replica_timeout_ms} ms (OVERNIGHT_REDIS_WAIT_REPLICAS)",
             )
         return reply
 

@@ -23,19 +23,14 @@ def io_timeout(gap: float) -> float:
 
 
 def client_for_url(url: str, gap: float) -> redis.Redis:
-    """A text client with short timeouts and one immediate retry (for a stale connection)."""
-    import redis
+    """A text client with short timeouts and one immediate retry (for a stale connection);
+    one of a Sentinel-managed primary follows a failover."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    t = io_timeout(gap)
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=t,
-        socket_connect_timeout=t,
-        retry=Retry(NoBackoff(), 1),
-        decode_responses=True,
-    )
+    from overnight.config.connection import client_from_url
+
+    return client_from_url(url, timeout=io_timeout(gap), retry=Retry(NoBackoff(), 1))
 
 
 # Per caller pool and timeout, the supervisor's own client: steps run one after another in
@@ -48,9 +43,11 @@ def supervisor_client(client: redis.Redis, gap: float) -> redis.Redis:
     """A copy of ``client`` with the supervisor's short timeouts (the original if it cannot);
     made once per pool and timeout, then shared."""
     import redis
+    from redis.sentinel import SentinelConnectionPool
 
     pool = client.connection_pool
-    if type(pool) is not redis.ConnectionPool or "fakeredis" in type(client).__module__:
+    plain = type(pool) in (redis.ConnectionPool, SentinelConnectionPool)
+    if not plain or "fakeredis" in type(client).__module__:
         return client
     t = io_timeout(gap)
     with _private_lock:
@@ -65,15 +62,19 @@ def _copy_client(pool: redis.ConnectionPool, t: float) -> redis.Redis | None:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    kwargs = dict(pool.connection_kwargs)
-    kwargs.update(socket_timeout=t, retry=Retry(NoBackoff(), 1), decode_responses=True)
-    if "socket_connect_timeout" in kwargs:
-        kwargs["socket_connect_timeout"] = t
+    from overnight.config.connection import same_server
+
+    options: dict[str, Any] = {
+        "socket_timeout": t,
+        "retry": Retry(NoBackoff(), 1),
+        "decode_responses": True,
+    }
+    if "socket_connect_timeout" in pool.connection_kwargs:
+        options["socket_connect_timeout"] = t
     try:
-        new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+        return same_server(redis.Redis(connection_pool=pool), **options)
     except TypeError:
         return None
-    return redis.Redis(connection_pool=new_pool)
 
 
 def url_of(client: redis.Redis) -> str:
