@@ -63,3 +63,28 @@ def test_a_preset_fixes_and_verifies_in_its_sandbox(
     assert bench.trap.seen == []
     logs = logs_of(where[0] / "state" / "task-logs")
     assert any(HOSTNAME in text for text in logs), logs
+    assert done["sandbox"] == "bwrap"
+
+
+# aider edits by its own edit format and runs no shell here: its worker's recorded mode
+# (each task's "sandbox" in status) says where it ran.
+AIDER_FIX = "Fixing.\n\nfile.txt\n```\nfixed\n```\n"
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [True], indirect=True)
+def test_aider_fixes_and_verifies_in_its_sandbox(
+    bench: Bench, where: tuple[Path, StepUser | None]
+) -> None:
+    """aider in the sandbox: its git identity comes from the HOME overnight fills (a
+    tmpfs inside), so it writes nothing to the repository's .git, which is read-only there."""
+    if shutil.which("aider") is None:
+        lacking("aider is not installed")
+    bench.env = {**bench.env, "OVERNIGHT_SANDBOX": "bwrap"}
+    upstream = bench.scripted([{"text": AIDER_FIX}])
+    done = bench.run(upstream, "aider-sandboxed", folder=where[0], user=where[1], agent="aider")
+    assert done["state"] == "finished_verified", json.dumps(done, indent=1)[-6000:]
+    assert done["sandbox"] == "bwrap"
+    assert len(completions(upstream)) == 1 == bench.charged("aider-sandboxed")
+    assert bench.trap.seen == []
