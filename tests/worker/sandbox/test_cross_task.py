@@ -42,7 +42,7 @@ pathlib.Path("ok.txt").write_text("a\\n")
 # Task B's (and C's) agent: the three moves against TARGET_PID and TARGET_TREE ("self": its
 # own child, holding SECRET in its environment, and its own worktree).
 PROBE = """
-import json, os, resource, signal, subprocess, time
+import grp, json, os, pwd, resource, signal, subprocess, time
 secret = os.environ["SECRET"]
 pid, tree = os.environ["TARGET_PID"], os.environ["TARGET_TREE"]
 child = None
@@ -54,6 +54,10 @@ if pid == "self":
         time.sleep(0.02)
 got = {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups()}
 got["nproc"] = list(resource.getrlimit(resource.RLIMIT_NPROC))
+try:
+    got["name"] = pwd.getpwuid(os.getuid()).pw_name + ":" + grp.getgrgid(os.getgid()).gr_name
+except KeyError:
+    got["name"] = None
 try:
     with open(f"/proc/{pid}/environ", "rb") as fh:
         got["environ"] = "read " + ("with" if secret.encode() in fh.read() else "without")
@@ -188,6 +192,9 @@ def test_a_task_cannot_read_kill_or_write_another_task(
         # RLIMIT_NPROC counts the step's own uid: none of its processes ran at launch, so
         # the limit is the step's pids alone, a per-task limit.
         assert attack["nproc"] == benign["nproc"] == [STEP_PIDS] * 2, (attack, benign)
+        # No account has the uid; the sandbox's /etc/passwd and /etc/group name it.
+        named = f"overnight-{attack['uid']}"
+        assert attack["name"] == (f"{named}:{named}" if sandbox == "bwrap" else None), attack
         assert not (tree_a / "planted.txt").exists()
         (tree_a / "release").write_text("go\n")
         assert worker_a.wait(timeout=120) == 0, (stage / "worker-a.log").read_text()[-3000:]
