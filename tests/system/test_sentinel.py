@@ -42,13 +42,16 @@ STEP = (
 )
 
 
-def _sentinel_conf(port: int, primary: int, password: str, sentinel_password: str) -> str:
+def _sentinel_conf(
+    port: int, primary: int, password: str, sentinel_password: str, quorum: int
+) -> str:
+    auth = [f"sentinel auth-pass {SERVICE} {password}"] if password else []
     return "\n".join(
         [
             f"port {port}",
             "bind 127.0.0.1",
-            f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2",
-            f"sentinel auth-pass {SERVICE} {password}",
+            f"sentinel monitor {SERVICE} 127.0.0.1 {primary} {quorum}",
+            *auth,
             f"sentinel down-after-milliseconds {SERVICE} 1000",
             f"sentinel failover-timeout {SERVICE} 10000",
             f"requirepass {sentinel_password}",
@@ -59,18 +62,20 @@ def _sentinel_conf(port: int, primary: int, password: str, sentinel_password: st
 
 
 @pytest.fixture
-def sentinels(tmp_path: Path) -> Iterator[Callable[[int, str, str], list[int]]]:
-    """Start three sentinels watching the primary on a port; all killed after the test."""
+def sentinels(tmp_path: Path) -> Iterator[Callable[..., list[int]]]:
+    """Start sentinels (three by default) watching the primary on a port; all killed after."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(primary: int, password: str, sentinel_password: str) -> list[int]:
+    def start(primary: int, password: str, sentinel_password: str, count: int = 3) -> list[int]:
         ports = []
-        for i in range(3):
+        for _ in range(count):
             port = free_port()
-            folder = tmp_path / f"sentinel-{i}"
+            folder = tmp_path / f"sentinel-{len(started)}"
             folder.mkdir()
             conf = folder / "sentinel.conf"
-            conf.write_text(_sentinel_conf(port, primary, password, sentinel_password))
+            conf.write_text(
+                _sentinel_conf(port, primary, password, sentinel_password, min(2, count))
+            )
             conf.chmod(0o600)
             log = open(folder / "sentinel.log", "wb")  # noqa: SIM115 - the child holds it
             started.append(
@@ -84,6 +89,8 @@ def sentinels(tmp_path: Path) -> Iterator[Callable[[int, str, str], list[int]]]:
             )
             log.close()
             ports.append(port)
+        for port in ports:
+            wait_for(lambda p=port: _primary_port(p, sentinel_password) == primary, timeout=30)
         return ports
 
     yield start
@@ -119,7 +126,7 @@ def _primary_port(port: int, sentinel_password: str) -> int | None:
 @pytest.mark.timeout(600)
 def test_a_night_survives_a_sentinel_failover(
     redis_factory: Callable[..., EmbeddedRedis],
-    sentinels: Callable[[int, str, str], list[int]],
+    sentinels: Callable[..., list[int]],
     env: dict[str, str],
     namespace: str,
     tmp_path: Path,
@@ -218,3 +225,81 @@ def test_a_night_survives_a_sentinel_failover(
     assert [p.poll() for p in procs] == [None, None, None], f"a process died; logs in {logs}"
     states = _states(tenv)
     assert list(states.values()).count("finished_verified") > TASKS // 2, states
+
+
+def _url(password: str, ports: list[int], sentinel_password: str) -> str:
+    auth = f":{password}@" if password else ""
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return f"redis+sentinel://{auth}{hosts}/{SERVICE}?sentinel_password={sentinel_password}"
+
+
+@pytest.mark.timeout(120)
+def test_every_client_made_from_a_sentinel_url_reaches_the_primary(
+    redis_factory: Callable[..., EmbeddedRedis], sentinels: Callable[..., list[int]]
+) -> None:
+    """The sync client, its text twin and the password probe's bare twin, and the gateway's
+    asyncio pool: each finds the primary through the sentinel, with both passwords."""
+    import asyncio
+
+    from overnight.config.connection import (
+        anyone_gets_in,
+        async_client_from_url,
+        client_from_url,
+        same_server,
+    )
+
+    password, sentinel_password = uuid.uuid4().hex, uuid.uuid4().hex
+    primary = redis_factory(password=password)
+    url = _url(password, sentinels(primary.port, password, sentinel_password, 1), sentinel_password)
+    client = client_from_url(url, timeout=2.0, decode_responses=False)
+    client.set("k", "v")
+    with same_server(client, decode_responses=True) as twin:
+        assert twin.get("k") == "v"
+    assert not anyone_gets_in(client)
+    client.close()
+
+    async def through_the_pool() -> object:
+        aclient = async_client_from_url(url, timeout=2.0, max_connections=4)
+        try:
+            return await asyncio.gather(*(aclient.get("k") for _ in range(16)))
+        finally:
+            await aclient.aclose()
+            for sentinel in aclient.connection_pool.sentinel_manager.sentinels:  # type: ignore[attr-defined]
+                await sentinel.aclose()
+
+    assert asyncio.run(through_the_pool()) == ["v"] * 16
+    with (
+        client_from_url(url.replace(password, "wrong"), timeout=2.0) as wrong,
+        pytest.raises(redis.AuthenticationError),
+    ):
+        wrong.ping()
+
+
+@pytest.mark.timeout(300)
+def test_a_passwordless_primary_behind_sentinels_is_refused(
+    redis_factory: Callable[..., EmbeddedRedis],
+    sentinels: Callable[..., list[int]],
+    env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """``overnight worker`` on a Sentinel URL whose primary anyone gets into: one line, exit
+    78; its twin, the same set-up with a password, runs."""
+    sentinel_password = uuid.uuid4().hex
+    for password, code in ((uuid.uuid4().hex, 0), ("", 78)):
+        primary = redis_factory(password=password or None)
+        ports = sentinels(primary.port, password, sentinel_password, 1)
+        wenv = {**env, "OVERNIGHT_REDIS_URL": _url(password, ports, sentinel_password)}
+        proc = subprocess.run(
+            [OVERNIGHT, "worker", "--burst"],
+            env=wenv,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == code, proc.stderr
+        said = "answers without a password" in proc.stderr
+        assert said == bool(code), proc.stderr
+        assert sentinel_password not in proc.stderr
+        assert not password or password not in proc.stderr
