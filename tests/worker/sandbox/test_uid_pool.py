@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from overnight.config.validate import uid_range
 from overnight.worker.sandbox import uidpool
 from overnight.worker.sandbox.stepuser import StepUser
 from overnight.worker.sandbox.uidpool import PoolExhausted, UidPool, ids_in_status, pick
-from tests.helpers import kill_quietly, wait_for
+from tests.helpers import OVERNIGHT, kill_quietly, wait_for
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="running as another uid needs root")
 
@@ -258,3 +259,32 @@ def test_held_passes_a_plain_user_through_and_holds_a_pool_uid(
     again = UidPool(user.uid, user.uid, pool_dir).take("other")  # released at the block's end
     assert again.user.uid == user.uid
     again.release()
+
+
+@ROOT_ONLY
+def test_supervise_runs_its_step_as_a_uid_it_holds_for_it(
+    env: dict[str, str], span: tuple[int, int]
+) -> None:
+    first = span[0]
+    senv = {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"}
+    senv.update(OVERNIGHT_SANDBOX="off", OVERNIGHT_STEP_UIDS=f"{first}-{first}")
+    work = Path(tempfile.mkdtemp(dir="/tmp"))
+    work.chmod(0o777)
+
+    def supervise() -> subprocess.CompletedProcess[str]:
+        argv = [OVERNIGHT, "supervise", "--quiet", "--", "sh", "-c", "id -u; id -g; id -G"]
+        return subprocess.run(argv, env=senv, cwd=work, capture_output=True, text=True, timeout=60)
+
+    try:
+        ran = supervise()
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.split() == [str(first)] * 3, ran.stdout
+        held = UidPool(first, first).take("a task holding it")  # in this host's pool
+        try:
+            refused = supervise()
+        finally:
+            held.release()
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "no free step uid" in refused.stderr
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
