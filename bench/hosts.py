@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import heapq
 import multiprocessing as mp
 import queue
@@ -85,6 +86,9 @@ def host_group(
     for host in hosts:
         _as_host(host)
         leases = Leases(client, keys)
+        # Each host's own monotonic clock (its boot time): the hosts' grid points differ.
+        offset = random.uniform(0, 3600)
+        clock = functools.partial(_shifted, offset)
         for _ in range(per_host):
             doc = leases.acquire(budget_sec=3600, gap_sec=gap, note="bench")
             k = Keeper(
@@ -94,7 +98,8 @@ def host_group(
                 deadline=3600,
                 beat_while_alive=False,
                 host=host,
-                now=time.monotonic(),
+                now=clock(),
+                clock=clock,
                 batch=False,
             )
             k.beat_pending = True
@@ -106,7 +111,7 @@ def host_group(
     lapsed = 0
     batched = False
     # A chatty step: a line comes just after every tick, so a renewal is always owed.
-    wakes = [(k.next_wake(), i) for i, (k, _h) in enumerate(kept)]
+    wakes = [(_here(k, k.next_wake()), i) for i, (k, _h) in enumerate(kept)]
     heapq.heapify(wakes)
     next_pass = {h: started + random.uniform(0, interval) for h in hosts}
     while plan is None or time.time() < plan.until:
@@ -119,7 +124,7 @@ def host_group(
         if plan is not None and wall >= plan.after_at and not batched:
             batched = True  # from here every host's keepers share its batch folder
             for k, host in kept:
-                batch = HostBatch(k.leases, Path(folders) / "beats" / host)
+                batch = HostBatch(k.leases, Path(folders) / "beats" / host, k.clock)
                 k.seat = Seat(batch, k.lease_id, k.token, k.renew_interval)
         while not quiet and wakes and wakes[0][0] <= now:
             _due, i = heapq.heappop(wakes)
@@ -128,7 +133,7 @@ def host_group(
                 continue
             for _line in range(2):  # the tick that was due, then one for the next line
                 keeper.beat_pending = True
-                ended = keeper.tick(time.monotonic())
+                ended = keeper.tick(keeper.clock())
                 if ended is not None:  # the run is not valid: this machine was too busy
                     lapsed += 1
                     if lapsed in (1, 10, 100, 1000):
@@ -138,7 +143,7 @@ def host_group(
                         )
                     break
             else:
-                heapq.heappush(wakes, (keeper.next_wake(), i))
+                heapq.heappush(wakes, (_here(keeper, keeper.next_wake()), i))
         for host, due in next_pass.items():
             if due <= now and not (is_dead and host == dead):
                 reap_once(client, keys, grace=0.5, host=host, host_ttl=ttl, hold_off=0.0)
@@ -148,6 +153,15 @@ def host_group(
             soon.append(wakes[0][0])
         time.sleep(max(0.0, min(soon) - time.monotonic()))
     client.close()
+
+
+def _shifted(offset: float) -> float:
+    return time.monotonic() + offset
+
+
+def _here(keeper: Keeper, at: float) -> float:
+    # A time on the keeper's host clock, on this process's monotonic clock.
+    return at - (keeper.clock() - time.monotonic())
 
 
 def _cpu(client: redis.Redis) -> float:

@@ -234,3 +234,63 @@ def test_keepers_renew_through_the_batch(private: Leases, tmp_path: Path) -> Non
         assert private.client.pttl(private.keys.lease_alive(k.lease_id)) > 0
         doc = private.get(k.lease_id)
         assert isinstance(doc, LeaseDoc) and doc.status == "running"
+
+
+def _supervisors(url: str, namespace: str, folder: str, n: int, gap: float, until: float) -> None:
+    """One process playing ``n`` chatty supervisors of one host; exit 1 if any lease ended."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    leases = Leases(client, Keys(namespace))
+    keepers = []
+    for _ in range(n):
+        doc = leases.acquire(budget_sec=60, gap_sec=gap)
+        k = Keeper(
+            leases,
+            doc,
+            gap=gap,
+            deadline=60,
+            beat_while_alive=False,
+            host="h",
+            now=time.monotonic(),
+        )
+        k.seat = Seat(HostBatch(leases, Path(folder)), doc.lease_id, doc.token, k.renew_interval)
+        k.beat_pending = True
+        keepers.append(k)
+    while time.monotonic() < until:
+        for k in keepers:
+            for _line in range(2):  # the tick that was due, then a line just after it
+                k.beat_pending = True
+                if k.tick(time.monotonic()) is not None:
+                    raise SystemExit(1)
+        time.sleep(max(0.0, min(k.next_wake() for k in keepers) - time.monotonic()))
+    raise SystemExit(0)
+
+
+def test_supervisor_processes_of_a_host_share_the_call(private: Leases, tmp_path: Path) -> None:
+    """Three processes of chatty supervisors on one host: no lease lapses, and the calls are
+    about one per grid point for all of them (separately: one per lease per interval)."""
+    import multiprocessing
+
+    folder = tmp_path / "run" / "ns" / "beats"
+    url = private.client.connection_pool.connection_kwargs
+    server = f"redis://:{url['password']}@{url['host']}:{url['port']}/0"
+    gap, n, seconds = 3.0, 20, 6.0
+    private.beat_many([])
+    ctx = multiprocessing.get_context("fork")
+    until = time.monotonic() + seconds
+    procs = [
+        ctx.Process(
+            target=_supervisors, args=(server, private.keys.namespace, str(folder), n, gap, until)
+        )
+        for _ in range(3)
+    ]
+    private.client.config_resetstat()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=seconds + 30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    stats = private.client.info("commandstats")
+    renewals = int(stats.get("cmdstat_pexpire", {}).get("calls", 0))
+    calls = scripts_run(private.client)
+    assert renewals >= 3 * n * 3  # every lease renewed about every gap/3 over the run
+    assert calls < renewals / 10, (calls, renewals)
