@@ -155,9 +155,10 @@ class TaskLoop:
     def _as_task_user(self, rec: TaskRecord) -> LoopEnd:
         """Loop as the task's own uid (held from here to the end of this attempt, when the
         step user stands for a pool of uids), its worktree given back before the uid is."""
-        base = self.config
+        base, holding = self.config, False
         try:
             with uidpool.held(base.step_user, rec.id, self._places()) as user:
+                holding = True
                 self.config = replace(base, step_user=user)
                 self.task_user = None if user is base.step_user else user
                 try:
@@ -169,6 +170,8 @@ class TaskLoop:
                         with contextlib.suppress(OSError):
                             hand_over(self.config.prompt_dir / rec.id, os.geteuid(), os.getegid())
         except (uidpool.PoolExhausted, FolderUnusable) as exc:
+            if holding:  # not the pool's: the loop's own
+                raise
             return self._write(rec, Next(rec.checkpoint, PAUSED, f"no step uid: {exc}"))
         finally:
             self.config, self.task_user = base, None
