@@ -61,14 +61,25 @@ class Refused(OvernightError):
         """401 for a lease that has ended, 429 for a refusal of the budget."""
         if self.reason == "ended":
             return 401
+        if self.reason == "unreplicated":
+            return 503
         return 500 if self.reason == "bad-args" else 429
 
 
 class Meter:
     """Reserve/commit/progress for the gateway on an asyncio Redis client (text replies)."""
 
-    def __init__(self, client: aioredis.Redis, namespace: str, host: str) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        namespace: str,
+        host: str,
+        *,
+        replicas: int = 0,
+        wait_ms: int = 1000,
+    ) -> None:
         self.client = client
+        self.replicas, self.wait_ms = replicas, wait_ms
         self.keys = Keys(namespace)
         self.host = host
         self._reserve = register(client, "gateway_reserve", lib="envelope_lib")
@@ -133,9 +144,27 @@ class Meter:
     async def reserve(self, who: Holder, tokens: int, route: str) -> Hold:
         """Take one model unit and a hold of up to ``tokens``, or raise :class:`Refused`."""
         args: list[str | int] = [who.context, max(1, tokens), uuid.uuid4().hex, HOLD_TTL_MS, route]
-        res: list[Any] = await self._reserve(keys=self._keys(who), args=args)
+        acked = None
+        if self.replicas > 0:
+            # WAIT counts the writes of its own connection: the script and it share one.
+            single = self.client.client()
+            try:
+                res: list[Any] = await self._reserve(keys=self._keys(who), args=args, client=single)
+                acked = int(await single.wait(self.replicas, self.wait_ms))
+            finally:
+                await single.aclose()
+        else:
+            res = await self._reserve(keys=self._keys(who), args=args)
         if int(res[0]) != 1:
             raise Refused(str(res[1]), str(res[2]))
+        if acked is not None and acked < self.replicas:
+            # The call is not made: its hold is settled as a refund at once.
+            await self._give_back(who, Hold(str(res[4]), int(res[2]), str(res[3]) == "1"), route)
+            raise Refused(
+                "unreplicated",
+                f"the ledger's replicas did not acknowledge the hold ({acked} of "
+                f"{self.replicas} within {self.wait_ms} ms); refused",
+            )
         return Hold(str(res[4]), int(res[2]), str(res[3]) == "1")
 
     async def extend(self, who: Holder, hold: Hold, chunk: int, route: str) -> Hold:
@@ -189,6 +218,28 @@ class Meter:
         ]
         res: list[Any] = await self._commit(keys=keys, args=args)
         return int(res[1]) if int(res[0]) == 1 else 0
+
+    async def _give_back(self, who: Holder, hold: Hold, route: str) -> None:
+        """Refund ``hold`` of a request never sent upstream (its receipt says so)."""
+        zero = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
+        data: dict[str, Any] = {
+            "route": route,
+            "model": "",
+            "stream": False,
+            "status": 503,
+            **dict.fromkeys(zero, 0),
+            "tokens": 0,
+            "tool_calls": 0,
+            "model_units": 0,
+            "prepaid": hold.prepaid,
+            "hold": hold.tokens,
+            "duration_ms": 0.0,
+            "disconnected": False,
+            "estimated": False,
+            "cut": False,
+            "refunded": True,
+        }
+        await self.commit(who, hold, tokens=0, tools=0, refund=True, data=data)
 
     async def progress(self, who: Holder) -> None:
         """A model is at work for this lease (the keeper counts it as progress)."""

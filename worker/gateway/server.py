@@ -56,6 +56,9 @@ class Config:
     max_body: int = wire.MAX_BODY
     # The output cap a whole (non-streaming) request that names none is given; 0: refused.
     default_output: int = wire.HOLD_CHUNK
+    # Replicas that must acknowledge a request's hold before it goes upstream (WAIT).
+    wait_replicas: int = 0
+    wait_timeout: float = 1.0
 
 
 class Gateway:
@@ -230,7 +233,14 @@ async def serve(
     a folder only this user writes, see :func:`config.runtime.gateway_socket`) and on
     ``host:port`` for clients that cannot speak to a Unix socket. With a socket, a TCP port
     another process holds is logged and taken when it frees up; without one it is fatal."""
-    gateway = Gateway(Meter(client, namespace, host_id), config)
+    meter = Meter(
+        client,
+        namespace,
+        host_id,
+        replicas=config.wait_replicas,
+        wait_ms=max(1, int(config.wait_timeout * 1000)),
+    )
+    gateway = Gateway(meter, config)
     runner = web.AppRunner(
         gateway.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0
     )
@@ -312,6 +322,7 @@ async def _take_port(runner: web.AppRunner, host: str, port: int) -> None:
 
 def config_from(settings: Any) -> Config:
     """The gateway's upstreams and limits from :class:`config.settings.Settings`."""
+    from overnight.config.connection import wait_replicas
 
     def secret(value: Any) -> str | None:
         return value.get_secret_value() if value is not None else None
@@ -323,6 +334,8 @@ def config_from(settings: Any) -> Config:
         ),
         model_timeout=settings.model_timeout,
         default_output=settings.gateway_max_output,
+        wait_replicas=wait_replicas(settings),
+        wait_timeout=settings.redis_wait_timeout,
     )
 
 
