@@ -189,3 +189,19 @@ def test_a_step_run_from_a_host_folder_is_not_started(
         argv, env=step_env, cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert twin.returncode == 0 and "step-ran" in twin.stdout, twin.stderr
+
+
+@pytest.mark.parametrize("mode", ["off", "bwrap"])
+def test_supervise_says_at_start_that_its_step_runs_without_a_sandbox(
+    env: dict[str, str], tmp_path: Path, mode: str
+) -> None:
+    if mode == "bwrap" and launch.find_bwrap() is None:
+        lacking("bubblewrap is not installed")
+    argv = [OVERNIGHT, "supervise", "--", "echo", "step-ran"]
+    step_env = {**env, "OVERNIGHT_SANDBOX": mode}
+    done = subprocess.run(
+        argv, env=step_env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "step-ran" in done.stdout, done.stderr
+    said = "the step runs WITHOUT a sandbox (OVERNIGHT_SANDBOX=off)"
+    assert (said in done.stderr) == (mode == "off"), done.stderr
