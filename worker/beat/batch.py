@@ -179,6 +179,7 @@ class HostBatch:
                     path.unlink()
                 continue
             requests.setdefault(req.lease_id, req)
+        _drop_old(self.folder.glob("res-*"))  # of supervisors killed before they forgot
         batch = due(requests.values(), now)
         if own not in batch:
             batch.append(own)
@@ -258,6 +259,14 @@ def _lock(fd: int, until: float, clock: Callable[[], float]) -> bool:
             if clock() >= until:
                 return False
             time.sleep(0.001)
+
+
+def _drop_old(paths: Iterable[Path]) -> None:
+    old = time.time() - STALE
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.lstat().st_mtime < old:
+                path.unlink()
 
 
 def _write(path: Path, data: dict[str, object]) -> None:

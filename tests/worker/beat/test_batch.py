@@ -294,3 +294,22 @@ def test_supervisor_processes_of_a_host_share_the_call(private: Leases, tmp_path
     calls = scripts_run(private.client)
     assert renewals >= 3 * n * 3  # every lease renewed about every gap/3 over the run
     assert calls < renewals / 10, (calls, renewals)
+
+
+def test_a_batch_drops_results_left_by_dead_supervisors(private: Leases, tmp_path: Path) -> None:
+    import os
+
+    folder = tmp_path / "run" / "ns" / "beats"
+    doc = private.acquire(budget_sec=60, gap_sec=30)
+    batch = host_batch(private, folder)
+    now = time.monotonic()
+    batch.request(Request(doc.lease_id, doc.token, 0.2, now - 0.01, now))
+    left, fresh = folder / "res-dead-supervisor", folder / "res-live-supervisor"
+    left.write_text("{}")
+    fresh.write_text("{}")
+    os.utime(left, (time.time() - 7200, time.time() - 7200))
+    got = batch.flush(Request(doc.lease_id, doc.token, 0.2, now - 0.01, now))
+    assert got.secs == 30.0
+    assert not left.exists() and fresh.exists()
+    batch.forget(doc.lease_id)
+    assert sorted(p.name for p in folder.iterdir()) == ["res-live-supervisor"]
