@@ -24,6 +24,7 @@ from tests.helpers import (
     OVERNIGHT,
     assert_all_gone,
     final_doc,
+    host_pids,
     pid_alive,
     read_pids,
     start,
@@ -71,7 +72,8 @@ def test_aof_restart_keeps_a_running_lease_and_its_token(
         f"while [ ! -e {go} ]; do echo tick; sleep 0.1; done; "
         f"{OVERNIGHT} beat --note after-restart && touch {beat_ok}"
     )
-    proc = start(["--gap", "3", "--lease-file", str(lease_file), "--", "sh", "-c", child], env)
+    argv = ["--gap", "3", "--lease-file", str(lease_file), "--", "sh", "-c", child]
+    proc = start(argv, env, cwd=tmp_path)  # a sandboxed step sees its files there
     wait_for(lease_file.exists, timeout=15)
     before = wait_for(lambda: json.loads(lease_file.read_text()), timeout=5)
     time.sleep(0.3)
@@ -263,8 +265,8 @@ def test_supervisor_fails_closed_when_redis_forgets_its_lease(
     env = {**env, "OVERNIGHT_REDIS_URL": server.url}
     pids = tmp_path / "pids"
     chatty = f"echo $$ > {pids}; sleep 120 & echo $! >> {pids}; while :; do echo x; sleep 0.1; done"
-    proc = start(["--gap", "2", "--grace", "0.5", "--", "sh", "-c", chatty], env)
-    tree = read_pids(pids, 2)
+    proc = start(["--gap", "2", "--grace", "0.5", "--", "sh", "-c", chatty], env, cwd=tmp_path)
+    tree = host_pids(read_pids(pids, 2), tmp_path)
     time.sleep(0.3)
     restart(server)
     out, err = proc.communicate(timeout=30)
