@@ -1,7 +1,8 @@
 # The image behind the coordinator and worker services of docker-compose.yml.
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# bubblewrap: a sandbox per step (OVERNIGHT_SANDBOX=bwrap).
+# bubblewrap: a sandbox per step (OVERNIGHT_SANDBOX=bwrap, the default); a container running
+# steps needs the security options of docker-compose.yml's worker service.
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
