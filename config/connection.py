@@ -298,19 +298,66 @@ def open_door_line(command: str, where: str, *, allowed: bool) -> str:
     )
 
 
+def open_sentinels(url: str, timeout: float = 2.0) -> list[str]:
+    """The sentinels of a ``redis+sentinel://`` URL that answer PING with no password (an
+    unreachable one is left out): anyone who reaches one can point overnight at a primary of
+    their own, which overnight would then send the primary's password."""
+    import redis
+
+    open_ones = []
+    for host, port in parse_sentinel_url(url).sentinels:
+        bare = redis.Redis(host=host, port=port, socket_timeout=timeout)
+        try:
+            bare.ping()
+        except (redis.AuthenticationError, redis.ConnectionError, redis.TimeoutError):
+            continue
+        except redis.ResponseError as exc:
+            if str(exc).upper().startswith("NOAUTH"):
+                continue
+            raise
+        finally:
+            bare.close()
+        open_ones.append(f"{host}:{port}")
+    return open_ones
+
+
 def require_password(client: redis.Redis, settings: Settings, command: str) -> bool:
-    """Refuse (``CommandError``, exit 78) a Redis that anyone gets into, unless the setting
-    accepts it; then print the warning on stderr. Returns whether the door is open."""
+    """Refuse (``CommandError``, exit 78) a Redis that anyone gets into, or a sentinel that
+    anyone gets into, unless the setting accepts it; then print the warning on stderr.
+    Returns whether the door is open."""
     import sys
 
     from overnight.config.exits import EXIT_BAD_CONFIG, CommandError
     from overnight.config.validate import mask_url
 
+    allowed = settings.allow_passwordless_redis
+    if is_sentinel(settings.redis_url):
+        sentinels = open_sentinels(settings.redis_url)
+        if sentinels:
+            line = open_sentinel_line(command, sentinels[0], allowed=allowed)
+            if not allowed:
+                raise CommandError(line, EXIT_BAD_CONFIG)
+            print(line, file=sys.stderr, flush=True)
     if not anyone_gets_in(client):
         return False
-    allowed = settings.allow_passwordless_redis
     line = open_door_line(command, mask_url(settings.redis_url), allowed=allowed)
     if not allowed:
         raise CommandError(line, EXIT_BAD_CONFIG)
     print(line, file=sys.stderr, flush=True)
     return True
+
+
+def open_sentinel_line(command: str, where: str, *, allowed: bool) -> str:
+    """What ``command`` says of a sentinel at ``where`` that anyone gets into."""
+    if allowed:
+        return (
+            f"{command}: WARNING: the sentinel at {where} has no password ({ALLOW_VAR}=1 "
+            "accepts it): any process that reaches it, a step too, can point overnight at a "
+            "primary of its own"
+        )
+    return (
+        f"the sentinel at {where} answers without a password, so any process that reaches "
+        "it (a step too) could point overnight at a primary of its own and be sent its "
+        "password; give every sentinel one (requirepass and sentinel sentinel-pass) and put "
+        f"it in OVERNIGHT_REDIS_URL (?sentinel_password=...), or set {ALLOW_VAR}=1 to accept it"
+    )

@@ -46,6 +46,8 @@ def _sentinel_conf(
     port: int, primary: int, password: str, sentinel_password: str, quorum: int
 ) -> str:
     auth = [f"sentinel auth-pass {SERVICE} {password}"] if password else []
+    own = [f"requirepass {sentinel_password}", f"sentinel sentinel-pass {sentinel_password}"]
+    own = own if sentinel_password else []
     return "\n".join(
         [
             f"port {port}",
@@ -54,8 +56,7 @@ def _sentinel_conf(
             *auth,
             f"sentinel down-after-milliseconds {SERVICE} 1000",
             f"sentinel failover-timeout {SERVICE} 10000",
-            f"requirepass {sentinel_password}",
-            f"sentinel sentinel-pass {sentinel_password}",
+            *own,
             "",
         ]
     )
@@ -230,7 +231,8 @@ def test_a_night_survives_a_sentinel_failover(
 def _url(password: str, ports: list[int], sentinel_password: str) -> str:
     auth = f":{password}@" if password else ""
     hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
-    return f"redis+sentinel://{auth}{hosts}/{SERVICE}?sentinel_password={sentinel_password}"
+    query = f"?sentinel_password={sentinel_password}" if sentinel_password else ""
+    return f"redis+sentinel://{auth}{hosts}/{SERVICE}{query}"
 
 
 @pytest.mark.timeout(120)
@@ -276,30 +278,43 @@ def test_every_client_made_from_a_sentinel_url_reaches_the_primary(
 
 
 @pytest.mark.timeout(300)
-def test_a_passwordless_primary_behind_sentinels_is_refused(
+@pytest.mark.parametrize(
+    ("primary_has", "sentinel_has", "refusal"),
+    [
+        (True, True, None),  # the twin: both with a password, the worker runs
+        (False, True, "the Redis at"),
+        (True, False, "the sentinel at"),
+    ],
+)
+def test_a_passwordless_primary_or_sentinel_is_refused(
     redis_factory: Callable[..., EmbeddedRedis],
     sentinels: Callable[..., list[int]],
     env: dict[str, str],
     tmp_path: Path,
+    primary_has: bool,
+    sentinel_has: bool,
+    refusal: str | None,
 ) -> None:
-    """``overnight worker`` on a Sentinel URL whose primary anyone gets into: one line, exit
-    78; its twin, the same set-up with a password, runs."""
-    sentinel_password = uuid.uuid4().hex
-    for password, code in ((uuid.uuid4().hex, 0), ("", 78)):
-        primary = redis_factory(password=password or None)
-        ports = sentinels(primary.port, password, sentinel_password, 1)
-        wenv = {**env, "OVERNIGHT_REDIS_URL": _url(password, ports, sentinel_password)}
-        proc = subprocess.run(
-            [OVERNIGHT, "worker", "--burst"],
-            env=wenv,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert proc.returncode == code, proc.stderr
-        said = "answers without a password" in proc.stderr
-        assert said == bool(code), proc.stderr
-        assert sentinel_password not in proc.stderr
-        assert not password or password not in proc.stderr
+    """``overnight worker`` on a Sentinel URL whose primary or sentinel anyone gets into: one
+    line naming it, exit 78, no password printed; its twin with both passwords runs."""
+    password = uuid.uuid4().hex if primary_has else ""
+    sentinel_password = uuid.uuid4().hex if sentinel_has else ""
+    primary = redis_factory(password=password or None)
+    ports = sentinels(primary.port, password, sentinel_password, 1)
+    wenv = {**env, "OVERNIGHT_REDIS_URL": _url(password, ports, sentinel_password)}
+    proc = subprocess.run(
+        [OVERNIGHT, "worker", "--burst"],
+        env=wenv,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == (78 if refusal else 0), proc.stderr
+    if refusal:
+        assert refusal in proc.stderr and "answers without a password" in proc.stderr
+    else:
+        assert "without a password" not in proc.stderr
+    for secret in (password, sentinel_password):
+        assert not secret or secret not in proc.stderr
