@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import select
+import shlex
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -74,17 +75,40 @@ class EndReport:
     signalled: int = 0  # members that got the first signal (see StepGroup.end)
 
 
+# The gate: the first program of a step started in a group. It waits for one line "go" on
+# its stdin, sent once the supervisor has moved it into the group, then executes the step
+# (stdin /dev/null, or what follows "go" on the pipe). An end of file (the supervisor died)
+# runs nothing. dash exports PWD: taken back out, or put back as it was.
+GATE = "/bin/sh"
+GATE_WORD = b"go\n"
+GATE_REFUSED = 125
+
+
+def gate_argv(argv: list[str], *, stdin_null: bool, pwd: str | None) -> list[str]:
+    """``argv`` behind the gate (:data:`GATE`): run once the gate hears :data:`GATE_WORD`,
+    with stdin from /dev/null if ``stdin_null``; ``pwd`` is the step environment's PWD."""
+    keep = "unset PWD" if pwd is None else f"PWD={shlex.quote(pwd)}; export PWD"
+    run = 'exec "$@" </dev/null' if stdin_null else 'exec "$@"'
+    script = f'IFS= read -r go && [ "$go" = go ] || exit {GATE_REFUSED}; {keep}; {run}'
+    return [GATE, "-c", script, "overnight-gate", *argv]
+
+
 class StepGroup:
-    """One lease's cgroup. :meth:`enter` (run in the child between fork and exec) moves the
-    child into it; everything it starts stays in it."""
+    """One lease's cgroup. A step is started behind the gate (:func:`gate_argv`) and moved
+    in by :meth:`admit` before the gate lets it run; everything it starts stays in it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._procs_fd = os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
 
+    def admit(self, pid: int) -> None:
+        """Move the process ``pid`` (a child of ours, held at its gate) into the group.
+        cgroup v2 checks the opener's credentials: our handle moves a child of any user."""
+        os.write(self._procs_fd, str(pid).encode())
+
     def enter(self) -> None:
-        """Move the calling process into the group (a ``preexec_fn``: async-signal-safe
-        system calls only)."""
+        """Move the calling process into the group (async-signal-safe: usable between
+        fork and exec)."""
         os.write(self._procs_fd, b"0")
 
     def pids(self) -> list[int]:

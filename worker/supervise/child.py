@@ -6,13 +6,19 @@ started: through the cgroup as a whole, or else through ``/proc`` (:mod:`worker.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
+from functools import cache
 from typing import TYPE_CHECKING
 
+from overnight.worker.sandbox.cgroup import GATE_WORD, gate_argv
+from overnight.worker.sandbox.limits import SYSTEM_PATH
 from overnight.worker.supervise import procs, tree
 from overnight.worker.supervise.output import Pipes
 
@@ -25,6 +31,8 @@ log = logging.getLogger("overnight.supervisor")
 
 # How long members may resist SIGKILL before they are reported as survivors.
 KILL_TIMEOUT = 5.0
+# The most stdin data a step gets: a pipe's default buffer, written before the step runs.
+PIPE_DATA = 65536
 
 _subreaper_lock = threading.Lock()
 _subreaper_users: dict[int, tuple[int, bool]] = {}  # pid -> (steps running, was before)
@@ -52,10 +60,38 @@ def subreaper() -> Iterator[None]:
                 tree.set_child_subreaper(False)
 
 
+@cache
+def _setpriv() -> str | None:
+    return shutil.which("setpriv", path=SYSTEM_PATH)
+
+
+def switch_argv(user: StepUser) -> list[str] | None:
+    """The ``setpriv`` prefix that runs the rest of the chain as ``user`` (its uid, gid and
+    groups, from root), or None without a setpriv in the system folders."""
+    program = _setpriv()
+    if program is None:
+        return None
+    groups = ",".join(str(g) for g in user.groups)
+    chosen = [f"--groups={groups}"] if groups else ["--clear-groups"]
+    return [program, f"--reuid={user.uid}", f"--regid={user.gid}", *chosen, "--"]
+
+
+def _gate_pipe() -> tuple[int, int]:
+    """A pipe for the gate: room for its word and the largest stdin data, so writing both
+    never waits on the child."""
+    read, write = os.pipe2(os.O_CLOEXEC)
+    try:
+        if fcntl.fcntl(write, fcntl.F_GETPIPE_SZ) < PIPE_DATA + len(GATE_WORD):
+            fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 2 * PIPE_DATA)
+    except OSError:
+        os.close(read)
+        os.close(write)
+        raise
+    return read, write
+
+
 def _filled_pipe(data: bytes) -> int:
     """The read end of a pipe holding ``data`` with its write end closed."""
-    if len(data) > 65536:  # a pipe's buffer: more would block us before the child reads
-        raise OSError(f"stdin data of {len(data)} bytes is too large")
     read, write = os.pipe2(os.O_CLOEXEC)
     try:
         os.write(write, data)
@@ -85,18 +121,31 @@ class Child:
         pass_fds: tuple[int, ...] = (),
     ) -> None:
         """Start ``argv`` with stdin from /dev/null, or from a pipe that already holds all of
-        ``stdin_data`` (written and closed before the child starts, so it never waits on
-        us); as ``user`` if given, inside ``group`` if given (moved there between fork and
-        exec, so nothing it runs is ever outside it), with ``pass_fds`` inherited; raises
-        OSError if it cannot start."""
-        stdin: int = subprocess.DEVNULL
-        if stdin_data is not None:
+        ``stdin_data`` (written before the step's program runs, so it never waits on us); as
+        ``user`` if given, inside ``group`` if given (held at a gate until it is moved there,
+        so nothing it runs is ever outside it), with ``pass_fds`` inherited; raises OSError
+        if it cannot start.
+
+        Nothing runs in the forked child but what the C side of ``subprocess`` does: no
+        ``preexec_fn`` and no ``user`` (either makes CPython fork the whole caller, a work
+        horse of many MB, where it otherwise uses vfork). The uid switch is ``setpriv`` at
+        the head of the launch chain, the cgroup move :meth:`StepGroup.admit` at the gate."""
+        if stdin_data is not None and len(stdin_data) > PIPE_DATA:
+            raise OSError(f"stdin data of {len(stdin_data)} bytes is too large")
+        switch = switch_argv(user) if user is not None else []
+        chain = [*(switch or []), *argv]
+        as_user = user if switch is None else None  # no setpriv here: the slow, forking way
+        gate_fd = -1
+        if group is not None:
+            chain = gate_argv(chain, stdin_null=stdin_data is None, pwd=env.get("PWD"))
+            stdin, gate_fd = _gate_pipe()
+        elif stdin_data is not None:
             stdin = _filled_pipe(stdin_data)
+        else:
+            stdin = subprocess.DEVNULL
         try:
-            # The group's cgroup.procs was opened by us (root): cgroup v2 checks the opener's
-            # credentials, so the move works after the switch to the step user.
             self.proc = subprocess.Popen(
-                argv,
+                chain,
                 stdin=stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -104,16 +153,22 @@ class Child:
                 env=env,
                 start_new_session=True,
                 bufsize=0,
-                preexec_fn=group.enter if group is not None else None,
-                user=user.uid if user is not None else None,
-                group=user.gid if user is not None else None,
-                extra_groups=list(user.groups) if user is not None else None,
+                user=as_user.uid if as_user is not None else None,
+                group=as_user.gid if as_user is not None else None,
+                extra_groups=list(as_user.groups) if as_user is not None else None,
                 pass_fds=pass_fds,
             )
+        except BaseException:
+            if gate_fd >= 0:
+                os.close(gate_fd)
+            raise
         finally:
-            if stdin_data is not None:
+            if stdin != subprocess.DEVNULL:
                 os.close(stdin)
         self.pid = self.proc.pid
+        self.pidfd = -1
+        if group is not None:
+            self._open_gate(group, gate_fd, stdin_data or b"")
         self.pidfd = os.pidfd_open(self.pid)
         row = tree.read_proc(self.pid)
         self.ticks = row.start if row is not None else None
@@ -124,6 +179,19 @@ class Child:
         self.pipes = Pipes(sources, on_output, describe)
         self.describe = describe
         self.group = group
+
+    def _open_gate(self, group: StepGroup, gate_fd: int, data: bytes) -> None:
+        # Into the group, then "go" (and the stdin data): the step's program runs only now.
+        try:
+            group.admit(self.pid)
+            os.write(gate_fd, GATE_WORD + data)
+        except OSError:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+            self.close()
+            raise
+        finally:
+            os.close(gate_fd)
 
     def exit_status(self) -> tuple[bool, int]:
         """How the exited child ended, leaving it unreaped: (True, exit code) or (False, signal)."""

@@ -139,3 +139,56 @@ def test_remove_leaves_a_populated_group_in_place(group: cgroup.StepGroup) -> No
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("word", "ran"),
+    [
+        (cgroup.GATE_WORD, True),  # the benign twin: told to go, the step runs
+        (b"", False),  # the supervisor died before the move: nothing runs
+        (b"no\n", False),
+    ],
+)
+def test_the_gate_runs_the_step_only_once_told(tmp_path: Path, word: bytes, ran: bool) -> None:
+    marker = tmp_path / "ran"
+    argv = cgroup.gate_argv(["touch", str(marker)], stdin_null=True, pwd=None)
+    read, write = os.pipe()
+    proc = subprocess.Popen(argv, stdin=read)
+    os.close(read)
+    os.write(write, word)
+    os.close(write)
+    assert (proc.wait(timeout=10) == 0) is ran
+    assert marker.exists() is ran
+
+
+def test_a_gated_child_is_in_its_group_before_its_program_runs(
+    group: cgroup.StepGroup, tmp_path: Path
+) -> None:
+    from overnight.worker.supervise.child import Child
+
+    def run(argv: list[str], env: dict[str, str], stdin_data: bytes | None) -> str:
+        out: list[bytes] = []
+        child = Child(
+            argv,
+            cwd=str(tmp_path),
+            env=env,
+            on_output=out.append,
+            describe="test",
+            stdin_data=stdin_data,
+            group=group,
+        )
+        assert child.proc.wait(timeout=10) == 0
+        child.pipes.drain(1.0)
+        child.close()
+        return b"".join(out).decode()
+
+    # Its first program reads its own cgroup, then the stdin data sent after the gate's word.
+    first = run(["/bin/sh", "-c", "grep ^0:: /proc/self/cgroup; cat"], {"PATH": "/bin"}, b"x\n")
+    lines = first.splitlines()
+    assert lines[0].endswith(f"/{group.path.parent.name}/{group.path.name}"), lines
+    assert lines[1:] == ["x"]
+    # The environment is the one given: the gate's shell adds nothing (no PWD).
+    env = {"PATH": "/usr/bin:/bin", "A": "1 2"}
+    assert sorted(run(["env"], env, None).splitlines()) == ["A=1 2", "PATH=/usr/bin:/bin"]
+    kept = {**env, "PWD": "/elsewhere"}
+    assert "PWD=/elsewhere" in run(["env"], kept, None).splitlines()
