@@ -2,7 +2,8 @@
 
 ``python -m bench.tasks [--tasks 200] [--workers 2]`` starts a private redis-server, then
 in the same run (a) enqueues N plain RQ jobs that each run ``true`` twice and drains them
-with W stock ``rq worker --burst`` processes, and (b) submits N overnight tasks whose
+with W ``rq worker --burst`` processes (stock RQ but for the listener stop of
+:class:`PlainWorker`), and (b) submits N overnight tasks whose
 agent and single rule are ``true`` and drains them with W ``overnight worker --burst``
 processes (every step under a lease, envelope-charged, checkpointed, with receipts).
 It prints both rates and the ratio (overhead factor; target <= 1.5).
@@ -34,6 +35,24 @@ def plain_job() -> int:
     subprocess.run(["true"], stdin=subprocess.DEVNULL, check=True)
     subprocess.run(["true"], stdin=subprocess.DEVNULL, check=True)
     return 0
+
+
+def _plain_worker_class() -> type:
+    from rq import Worker
+
+    from overnight.coordinator.dispatch.listener import stop_listening
+
+    class PlainWorker(Worker):  # type: ignore[misc]
+        """Stock RQ but for its listener's stop: with redis-py 6+ an idle burst worker's own
+        waits up to 60 s for a subscription as it exits (overnight's worker has the same fix)."""
+
+        def unsubscribe(self) -> None:
+            stop_listening(self)
+
+    return PlainWorker
+
+
+PlainWorker = _plain_worker_class()
 
 
 def _drain(argv: list[str], workers: int, env: dict[str, str], logs: Path) -> float:
@@ -69,7 +88,8 @@ def run_plain(url: str, n: int, workers: int, env: dict[str, str]) -> float:
     with conn.pipeline() as pipe:
         queue.enqueue_many(datas, pipeline=pipe)
         pipe.execute()
-    argv = [str(BIN / "rq"), "worker", "--burst", "--url", url, queue.name]
+    argv = [str(BIN / "rq"), "worker", "--burst", "-w", "bench.tasks.PlainWorker", "--url", url]
+    argv.append(queue.name)
     elapsed = _drain(argv, workers, env, Path(env["BENCH_LOGS"]))
     if queue.finished_job_registry.count != n:
         raise SystemExit(f"plain RQ finished {queue.finished_job_registry.count} of {n} jobs")

@@ -178,6 +178,8 @@ def launch_prefix(limits: Limits, uid: int) -> list[str]:
         return []
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nofile_hard = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if uid == 0:  # root ignores RLIMIT_NPROC: no walk of /proc for it (the watch holds)
+        limits = replace(limits, pids=0)
     count = uid_processes(uid) if limits.pids else 0
     args = rlimit_args(limits, uid_procs=count, nofile_hard=nofile_hard)
     return [program, *args, "--"] if args else []
