@@ -18,15 +18,17 @@ from tests.helpers import GATEWAY_AGENT, cli, run_burst, task_file, worker_env
 
 
 @pytest.fixture
-def tenv(env: dict[str, str], upstream: str, tmp_path: Path) -> dict[str, str]:
-    (tmp_path / "agent.py").write_text(GATEWAY_AGENT)
+def tenv(env: dict[str, str], upstream: str) -> dict[str, str]:
     return worker_env(env, OVERNIGHT_MODEL_URL=upstream)
 
 
 def _run_task(
     tenv: dict[str, str], tmp_path: Path, name: str, agent_args: list[str], **kw: Any
 ) -> dict[str, Any]:
-    agent = [sys.executable, str(tmp_path / "agent.py"), *agent_args]
+    # In the task's own folder: a sandboxed step sees only its tree.
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "agent.py").write_text(GATEWAY_AGENT)
+    agent = [sys.executable, "agent.py", *agent_args]
     path = task_file(tmp_path, name, agent, [["test", "-f", "ok.txt"]], workspace="in-place", **kw)
     return run_burst(tenv, path, name)
 
