@@ -247,14 +247,17 @@ def test_every_client_made_from_a_sentinel_url_reaches_the_primary(
         anyone_gets_in,
         async_client_from_url,
         client_from_url,
+        parse_sentinel_url,
         same_server,
     )
+    from overnight.worker.redisio.clients import url_of
 
     password, sentinel_password = uuid.uuid4().hex, uuid.uuid4().hex
     primary = redis_factory(password=password)
     url = _url(password, sentinels(primary.port, password, sentinel_password, 1), sentinel_password)
     client = client_from_url(url, timeout=2.0, decode_responses=False)
     client.set("k", "v")
+    assert parse_sentinel_url(url_of(client)) == parse_sentinel_url(url)
     with same_server(client, decode_responses=True) as twin:
         assert twin.get("k") == "v"
     assert not anyone_gets_in(client)

@@ -82,7 +82,11 @@ def url_of(client: redis.Redis) -> str:
     never for a step's environment)."""
     from urllib.parse import quote, urlencode
 
+    from redis.sentinel import SentinelConnectionPool
+
     kw = client.connection_pool.connection_kwargs
+    if isinstance(client.connection_pool, SentinelConnectionPool):
+        return _sentinel_url_of(client.connection_pool)
     auth = ""
     if kw.get("password"):
         auth = f"{quote(str(kw.get('username') or ''), safe='')}:"
@@ -98,6 +102,24 @@ def url_of(client: redis.Redis) -> str:
     tls = {k: str(v) for k, v in kw.items() if k in _TLS_QUERY and v not in (None, "")}
     tls.update({k: str(kw[k]) for k, usual in _TLS_USUAL.items() if kw.get(k, usual) != usual})
     return f"{url}?{urlencode(tls)}" if scheme == "rediss" and tls else url
+
+
+def _sentinel_url_of(pool: Any) -> str:
+    from overnight.config.connection import SentinelUrl, sentinel_url
+
+    kw = pool.connection_kwargs
+    watchers = [s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels]
+    return sentinel_url(
+        SentinelUrl(
+            sentinels=tuple((str(w["host"]), int(w["port"])) for w in watchers),
+            service=pool.service_name,
+            db=int(kw.get("db") or 0),
+            username=kw.get("username"),
+            password=kw.get("password"),
+            sentinel_username=watchers[0].get("username") if watchers else None,
+            sentinel_password=watchers[0].get("password") if watchers else None,
+        )
+    )
 
 
 _TLS_QUERY = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
