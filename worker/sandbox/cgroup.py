@@ -127,6 +127,20 @@ class StepGroup:
             return False
         return "populated 1" in text
 
+    def _open_events(self) -> int:
+        try:
+            return os.open(self.path / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+
+    def _populated(self, events: int) -> bool:
+        if events < 0:
+            return self.populated()
+        try:
+            return b"populated 1" in os.pread(events, 256, 0)
+        except OSError:
+            return False
+
     def signal_all(self, sig: int, skip: set[int] | frozenset[int] = frozenset()) -> set[int]:
         """Send ``sig`` to every member not in ``skip`` (through pidfds; a member is whoever
         is in the group when the pidfd is checked); the pids signalled."""
@@ -170,12 +184,21 @@ class StepGroup:
         poller = select.poll()
         for fd in wake_fds:
             poller.register(fd, select.POLLIN)
-        while self.populated():
-            signalled |= self.signal_all(first_signal, skip=signalled)
-            now = time.monotonic()
-            if now >= grace_end or (hurry is not None and hurry()):
-                break
-            poller.poll(max(1, int(min(grace_end - now, 0.01) * 1000)))
+        # cgroup.events polls POLLPRI when "populated" changes: the last member's exit wakes
+        # us at once (re-read through the same handle, which re-arms it).
+        events = self._open_events()
+        if events >= 0:
+            poller.register(events, select.POLLPRI)
+        try:
+            while self._populated(events):
+                signalled |= self.signal_all(first_signal, skip=signalled)
+                now = time.monotonic()
+                if now >= grace_end or (hurry is not None and hurry()):
+                    break
+                poller.poll(max(1, int(min(grace_end - now, 0.01) * 1000)))
+        finally:
+            if events >= 0:
+                os.close(events)
         report = self.kill(kill_timeout) if self.populated() else EndReport()
         report.signalled = len(signalled)
         report.seconds = time.monotonic() - started
