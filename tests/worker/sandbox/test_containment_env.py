@@ -52,6 +52,16 @@ WORKER_ENV = {
 }
 
 
+# Off: this module proves what the containment holds alone (uid, cgroup, allowlisted
+# environment), the promise of OVERNIGHT_SANDBOX=off; its hostile steps also run scripts
+# from the test's folder, outside any task tree a sandbox would bind.
+@pytest.fixture(autouse=True)
+def _containment_alone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env")["OVERNIGHT_SANDBOX"] = "off"
+    monkeypatch.setenv("OVERNIGHT_SANDBOX", "off")
+
+
 @pytest.mark.parametrize(
     ("declared", "expected"),
     [

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
 from overnight.config.keys import Keys
@@ -38,6 +39,16 @@ while True:
         print("working", flush=True)
     time.sleep(0.1)
 """
+
+
+# Off: this module proves what the containment holds alone (uid, cgroup, allowlisted
+# environment), the promise of OVERNIGHT_SANDBOX=off; its hostile steps also run scripts
+# from the test's folder, outside any task tree a sandbox would bind.
+@pytest.fixture(autouse=True)
+def _containment_alone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env")["OVERNIGHT_SANDBOX"] = "off"
+    monkeypatch.setenv("OVERNIGHT_SANDBOX", "off")
 
 
 def test_a_pushed_deadline_does_not_extend_the_step(

@@ -139,6 +139,16 @@ print("attack agent: looked at", len(seen), "processes", flush=True)
 DECOY = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
 
 
+# Off: this module proves what the containment holds alone (uid, cgroup, allowlisted
+# environment), the promise of OVERNIGHT_SANDBOX=off; its hostile steps also run scripts
+# from the test's folder, outside any task tree a sandbox would bind.
+@pytest.fixture(autouse=True)
+def _containment_alone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env")["OVERNIGHT_SANDBOX"] = "off"
+    monkeypatch.setenv("OVERNIGHT_SANDBOX", "off")
+
+
 @pytest.fixture
 def base() -> Iterator[Path]:
     """A folder the unprivileged user owns (pytest's own tmp folders are root's, 0700)."""
@@ -198,6 +208,7 @@ def test_a_step_reads_nothing_of_the_control_plane(
         "OVERNIGHT_MODEL_API_KEY": sentinel,
         "OVERNIGHT_GRACE": "0.5",
         "OVERNIGHT_REAPER_INTERVAL": "0.5",
+        "OVERNIGHT_SANDBOX": "off",
     }
     shim = shim_path(base)
     if shim:

@@ -47,6 +47,16 @@ ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a step use
 ALICE = StepUser("alice", 1500, 1500)
 
 
+# Off: this module proves what the containment holds alone (uid, cgroup, allowlisted
+# environment), the promise of OVERNIGHT_SANDBOX=off; its hostile steps also run scripts
+# from the test's folder, outside any task tree a sandbox would bind.
+@pytest.fixture(autouse=True)
+def _containment_alone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env")["OVERNIGHT_SANDBOX"] = "off"
+    monkeypatch.setenv("OVERNIGHT_SANDBOX", "off")
+
+
 def find(name: str) -> StepUser | None:
     return {"alice": ALICE, "toor": StepUser("toor", 0, 0)}.get(name)
 
