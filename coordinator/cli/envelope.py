@@ -124,6 +124,8 @@ def _call(name: str, action: Callable[[CallEnvelope], T]) -> T:
         return action(env)
     except EnvelopeUnavailable as exc:
         _unreachable(exc.detail)
+    except ValueError as exc:  # a count the envelope's scripts cannot hold exactly (> 2**53)
+        raise click.UsageError(str(exc)) from None
 
 
 def _unreachable(detail: str) -> NoReturn:

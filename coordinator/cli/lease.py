@@ -204,11 +204,6 @@ def _supervise(
     s = quick_settings()
     user = decide(s.step_user, s.allow_root_steps, os.geteuid(), uids=s.step_uids)  # or exit 78
     sandbox = launch.require(s.sandbox, user)  # exit 78 if one is asked for and cannot start
-    if not sandbox and not quiet:
-        click.echo(
-            f"overnight supervise: the step runs WITHOUT a sandbox ({launch.SANDBOX_VAR}=off)",
-            err=True,
-        )
     spec = supervisor.StepSpec(
         argv=argv,
         deadline=_seconds("--deadline", deadline, s.deadline),
@@ -230,6 +225,12 @@ def _supervise(
     except LeaseRefused as exc:
         raise CommandError(str(exc), EXIT_REFUSED) from None
     if not quiet:
+        # Said with the result: a call refused before its step starts prints its one line.
+        if not sandbox:
+            click.echo(
+                f"overnight supervise: the step ran WITHOUT a sandbox ({launch.SANDBOX_VAR}=off)",
+                err=True,
+            )
         click.echo(result.doc.to_json())
     return result.exit_code
 

@@ -454,6 +454,25 @@ def test_hostile_arguments_get_a_documented_code_and_one_line(
         ]
 
 
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["envelope", "reset", str(2**53)], 0),
+        (["envelope", "reset", str(2**53 + 1)], 64),
+        (["envelope", "reset", "5", "--tokens", str(2**60)], 64),
+    ],
+)
+def test_an_envelope_count_past_2_53_is_refused_in_one_line(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], args: list[str], code: int
+) -> None:
+    got, out, err = run_cli(args, capsys)
+    assert got == code, (got, out, err)
+    if code:
+        assert one_line(err) and "between" in err and "internal error" not in err, err
+    else:
+        assert json.loads(out)["remaining"] == 2**53
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("lease_id", ["", "a:b", "{x}", "*", "; touch pwned", "é", "x" * 65, "-1"])
 def test_supervise_refuses_a_hostile_lease_id(

@@ -192,7 +192,7 @@ def test_a_step_run_from_a_host_folder_is_not_started(
 
 
 @pytest.mark.parametrize("mode", ["off", "bwrap"])
-def test_supervise_says_at_start_that_its_step_runs_without_a_sandbox(
+def test_supervise_says_with_its_result_that_its_step_ran_without_a_sandbox(
     env: dict[str, str], tmp_path: Path, mode: str
 ) -> None:
     if mode == "bwrap" and launch.find_bwrap() is None:
@@ -203,5 +203,5 @@ def test_supervise_says_at_start_that_its_step_runs_without_a_sandbox(
         argv, env=step_env, cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "step-ran" in done.stdout, done.stderr
-    said = "the step runs WITHOUT a sandbox (OVERNIGHT_SANDBOX=off)"
+    said = "the step ran WITHOUT a sandbox (OVERNIGHT_SANDBOX=off)"
     assert (said in done.stderr) == (mode == "off"), done.stderr
