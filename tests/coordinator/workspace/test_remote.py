@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -292,17 +294,37 @@ def files_holding(folder: Path, needle: bytes) -> list[str]:
     return out
 
 
+@pytest.fixture(params=["bwrap", "off-step-user"])
+def contained(
+    request: pytest.FixtureRequest, env: dict[str, str], tmp_path: Path
+) -> Iterator[dict[str, str]]:
+    """The worker's environment: steps in the sandbox (the default), or without it as the
+    step user (their parents' /proc is then the real worker's and supervisor's)."""
+    wenv = {**env, "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"]}
+    if request.param == "bwrap":
+        yield {**wenv, "OVERNIGHT_STATE_DIR": str(tmp_path / "state")}
+        return
+    user = request.getfixturevalue("step_user")
+    # pytest's tmp folders are root's and 0700: the step user needs a path it can walk.
+    top = Path(tempfile.mkdtemp(prefix="overnight-remote-", dir="/tmp"))
+    os.chmod(top, 0o755)
+    wenv.pop("OVERNIGHT_ALLOW_ROOT_STEPS", None)
+    wenv.update(
+        OVERNIGHT_SANDBOX="off", OVERNIGHT_STEP_USER=user.name, OVERNIGHT_STATE_DIR=str(top)
+    )
+    try:
+        yield wenv
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_repo_task_on_one_worker_pushes_every_turn_and_its_step_never_sees_the_token(
-    http_remote: tuple[Path, str, str], env: dict[str, str], tmp_path: Path
+    http_remote: tuple[Path, str, str], contained: dict[str, str], tmp_path: Path
 ) -> None:
     bare, url, token = http_remote
-    wenv = {
-        **env,
-        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
-        "OVERNIGHT_STATE_DIR": str(tmp_path / "state"),
-    }
+    wenv = contained
     assert cli(wenv, "envelope", "reset", "50").returncode == 0
     path = write_task(tmp_path, "rt", repo=url)
     said: list[str] = []
@@ -330,8 +352,10 @@ def test_a_repo_task_on_one_worker_pushes_every_turn_and_its_step_never_sees_the
         seen = gitserver.git(bare, "show", f"overnight/rt:seen-{turn}.txt")
         assert "env OVERNIGHT_TASK_ID=rt" in seen and "parent 1 environ" in seen
         assert "git-config file:" in seen  # its repository's config (the cache's) was read
+        parents = [x for x in seen.splitlines() if x.startswith("parent ") and "cmdline" in x]
+        assert any("overnight" in x for x in parents), parents  # bwrap's, or the supervisor's
         assert token not in seen and address not in seen  # nor even where the remote is
-    assert not files_holding(tmp_path / "state", token.encode())
+    assert not files_holding(Path(wenv["OVERNIGHT_STATE_DIR"]), token.encode())
     # Benign twin: overnight's pushes went through with the token, which the server wants.
     assert any("git-receive-pack 200" in line for line in gitserver.requests(bare.parent))
     anonymous = subprocess.run(
