@@ -31,7 +31,7 @@ from overnight.coordinator.workspace.plan import (
     url_problem,
 )
 from tests import gitserver
-from tests.helpers import OVERNIGHT
+from tests.helpers import OVERNIGHT, wait_for
 
 B, H, R = "b" * 40, "h" * 40, "r" * 40
 
@@ -373,3 +373,48 @@ def test_a_repo_task_on_one_worker_pushes_every_turn_and_its_step_never_sees_the
     assert diffed.returncode == 0, diffed.stderr
     assert "+    return a + b" in diffed.stdout and "seen-2.txt" in diffed.stdout
     assert not any(token in text for text in said)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_push_the_remote_refuses_leaves_the_turn_unknown_and_the_task_paused(
+    served: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    wenv = {
+        **env,
+        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
+        "OVERNIGHT_STATE_DIR": str(tmp_path / "state"),
+        "OVERNIGHT_TASK_CLAIM_TTL": "1",
+        "OVERNIGHT_RECOVERY_INTERVAL": "0.3",
+        "OVERNIGHT_GRACE": "0.5",
+    }
+    assert cli(wenv, "envelope", "reset", "20").returncode == 0
+    # The agent beats until the test writes 'go' into its tree.
+    wait = "import os, time\nwhile not os.path.exists('go'): print(1, flush=True); time.sleep(0.1)"
+    path = write_task(tmp_path, "moved", repo=str(served), agent=["python3", "-c", wait])
+    assert cli(wenv, "submit", str(path)).returncode == 0
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen([OVERNIGHT, "worker"], env=wenv, stdout=log, stderr=log)
+    try:
+        trees = tmp_path / "state" / "worktrees" / env["OVERNIGHT_NAMESPACE"]
+        tree = wait_for(lambda: next(trees.glob("moved-*"), None), timeout=30)
+        # Meanwhile "another host" pushed the task's branch: the push overnight makes after
+        # the step expects no branch there, and is refused.
+        base = gitserver.git(served, "rev-parse", "main").strip()
+        gitserver.git(served, "update-ref", "refs/heads/overnight/moved", base)
+        (tree / "go").write_text("")
+
+        def paused() -> dict[str, Any] | None:
+            shown = cli(wenv, "status", "moved")
+            data: dict[str, Any] = json.loads(shown.stdout)
+            return data if data["state"] == "paused_for_reconciliation" else None
+
+        status = wait_for(paused, timeout=40, interval=0.2)
+    finally:
+        worker.terminate()
+        worker.wait(20)
+        log.close()
+    assert "outcome of the agent step of turn 1 is unknown" in status["detail"], status
+    assert gitserver.git(served, "rev-parse", "overnight/moved").strip() == base  # not ours
+    said = (tmp_path / "worker.log").read_text()
+    assert "push of overnight/moved to" in said and "refused: the remote moved it" in said
