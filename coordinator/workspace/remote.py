@@ -77,10 +77,6 @@ def cache_path(state: Path, url: str) -> Path:
     return state / "repos" / cache_name(url)
 
 
-def is_remote(spec: TaskSpec) -> bool:
-    return spec.repo is not None
-
-
 def local_base(base: Base, spec: TaskSpec, state: Path) -> Base:
     """``base`` as this host works with it: a remote task's repository is this host's cache."""
     if spec.repo is None:

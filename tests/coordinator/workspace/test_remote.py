@@ -372,6 +372,12 @@ def test_a_repo_task_on_one_worker_pushes_every_turn_and_its_step_never_sees_the
     said += [diffed.stdout, diffed.stderr]
     assert diffed.returncode == 0, diffed.stderr
     assert "+    return a + b" in diffed.stdout and "seen-2.txt" in diffed.stdout
+    page = tmp_path / "night.html"
+    reported = cli(other, "report", "--html", str(page))
+    said += [reported.stdout, reported.stderr]
+    assert reported.returncode == 0, reported.stderr
+    html = page.read_text()
+    assert "return a + b" in html and token not in html
     assert not any(token in text for text in said)
 
 
