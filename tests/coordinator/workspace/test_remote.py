@@ -424,3 +424,36 @@ def test_a_push_the_remote_refuses_leaves_the_turn_unknown_and_the_task_paused(
     assert gitserver.git(served, "rev-parse", "overnight/moved").strip() == base  # not ours
     said = (tmp_path / "worker.log").read_text()
     assert "push of overnight/moved to" in said and "refused: the remote moved it" in said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_credential_in_the_workers_environment_reaches_git_and_never_the_step(
+    http_remote: tuple[Path, str, str], env: dict[str, str], tmp_path: Path
+) -> None:
+    bare, url, token = http_remote
+    plain = url.replace(f"bot:{token}@", "bot@")  # the password comes from GIT_ASKPASS
+    askpass = tmp_path / "askpass.sh"
+    askpass.write_text(f"#!/bin/sh\necho {token}\n")
+    askpass.chmod(0o700)
+    wenv = {
+        **env,
+        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
+        "OVERNIGHT_STATE_DIR": str(tmp_path / "state"),
+    }
+    assert cli(wenv, "envelope", "reset", "50").returncode == 0
+    path = write_task(tmp_path, "ask", repo=plain)
+    refused = cli(wenv, "submit", str(path))  # without it, git cannot reach the remote
+    assert refused.returncode == 64 and refused.stderr.startswith(f"{path}: repo: git ls-remote")
+    wenv["GIT_ASKPASS"] = str(askpass)
+    submitted = cli(wenv, "submit", str(path))
+    assert submitted.returncode == 0, submitted.stderr
+    worked = cli(wenv, "worker", "--burst")
+    assert worked.returncode == 0, worked.stderr[-3000:]
+    status = json.loads(cli(wenv, "status", "ask").stdout)
+    assert status["state"] == "finished_verified", status
+    assert status["repo"] == plain
+    for turn in (1, 2):
+        seen = gitserver.git(bare, "show", f"overnight/ask:seen-{turn}.txt")
+        assert "env OVERNIGHT_TASK_ID=ask" in seen
+        assert token not in seen and "GIT_ASKPASS" not in seen and str(askpass) not in seen
