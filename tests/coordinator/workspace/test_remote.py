@@ -457,3 +457,33 @@ def test_a_credential_in_the_workers_environment_reaches_git_and_never_the_step(
         seen = gitserver.git(bare, "show", f"overnight/ask:seen-{turn}.txt")
         assert "env OVERNIGHT_TASK_ID=ask" in seen
         assert token not in seen and "GIT_ASKPASS" not in seen and str(askpass) not in seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_repo_task_runs_again_on_its_remote_branch_and_its_worktree_is_pruned(
+    served: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    wenv = {
+        **env,
+        "OVERNIGHT_QUEUE": env["OVERNIGHT_NAMESPACE"],
+        "OVERNIGHT_STATE_DIR": str(tmp_path / "state"),
+    }
+    assert cli(wenv, "envelope", "reset", "50").returncode == 0
+    assert cli(wenv, "submit", str(write_task(tmp_path, "again", repo=str(served)))).returncode == 0
+    assert cli(wenv, "worker", "--burst").returncode == 0
+    first = json.loads(cli(wenv, "status", "again").stdout)
+    assert (first["state"], first["turns"]) == ("finished_verified", 2)
+    refused = cli(wenv, "rerun", "again", "--from-base")
+    assert refused.returncode != 0 and "is from a repo" in refused.stderr
+    # Another host's state folder: the rerun's tree is made there from the remote's branch.
+    other = {**wenv, "OVERNIGHT_STATE_DIR": str(tmp_path / "other")}
+    assert cli(other, "rerun", "again").returncode == 0, "rerun"
+    assert cli(other, "worker", "--burst").returncode == 0
+    second = json.loads(cli(other, "status", "again").stdout)
+    assert (second["state"], second["turns"]) == ("finished_verified", 3), second
+    log = gitserver.git(served, "log", "--format=%s", "overnight/again").splitlines()
+    assert [s.split("turn ")[1].split(":")[0] for s in log[:3]] == ["3", "2", "1"]
+    assert gitserver.git(served, "rev-parse", "overnight/again").strip() == second["head"]
+    pruned = cli(other, "worktrees", "prune")
+    assert pruned.returncode == 0 and "again: removed" in pruned.stdout, pruned.stdout
