@@ -102,7 +102,7 @@ class TaskSpace:
                 self.tree, self.pushed = remote.open_tree(
                     self.remote, self.base, self.last_recorded, self.task_id, path
                 )
-                fresh = True  # made again, or its owner checked below
+                fresh = True  # made again or kept: handed to the step user either way
             else:
                 self.tree = workspace.open_worktree(self.base.root, self.base.sha, branch, path)
             # A tree an earlier attempt left is another uid's when each task has its own.
