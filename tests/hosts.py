@@ -85,6 +85,7 @@ class Host:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     model_url: str | None = None  # a scripted upstream on the host's own loopback
+    extra_env: dict[str, str] = field(default_factory=dict)  # this host's own settings
 
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
@@ -149,6 +150,37 @@ class Cluster:
         _ip("-n", self.redis_ns, "link", "set", near, "up")
         _ip("-n", netns, "link", "set", far, "up")
         return f"10.231.{k}.1", near
+
+    def service(self, name: str) -> tuple[str, str]:
+        """A namespace of its own for a service every host and the coordinator reach (a
+        git server): a bridge at 10.232.0.1/24 there, one veth to each of them; returns the
+        namespace and the bridge's address."""
+        netns = f"ovn{self.tag}{name[:1]}"
+        self._netns(netns)
+        _ip("-n", netns, "link", "add", "br0", "type", "bridge")
+        _ip("-n", netns, "addr", "add", "10.232.0.1/24", "dev", "br0")
+        _ip("-n", netns, "link", "set", "br0", "up")
+        for k, other in enumerate([self.coord_ns, *(h.netns for h in self.hosts)], start=2):
+            near = f"s{k}"
+            _ip(
+                "-n",
+                netns,
+                "link",
+                "add",
+                near,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "svc0",
+                "netns",
+                other,
+            )
+            _ip("-n", netns, "link", "set", near, "master", "br0")
+            _ip("-n", netns, "link", "set", near, "up")
+            _ip("-n", other, "addr", "add", f"10.232.0.{k}/24", "dev", "svc0")
+            _ip("-n", other, "link", "set", "svc0", "up")
+        return netns, "10.232.0.1"
 
     def _start_redis(self) -> None:
         data = self.folder / "redis"
@@ -220,6 +252,8 @@ class Cluster:
         env["OVERNIGHT_HOST_ID"] = host.host_id if host is not None else f"coord-{self.tag}"
         if host is not None and host.model_url:
             env["OVERNIGHT_MODEL_URL"] = host.model_url
+        if host is not None:
+            env.update(host.extra_env)
         env.update(extra)
         return env
 

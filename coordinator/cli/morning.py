@@ -136,13 +136,19 @@ def diff_command(task_id: str, stat: bool) -> None:
             EXIT_USAGE,
         )
     branch = rec.checkpoint.branch or workspace.branch_name(task_id)
+    sha, root = base.sha, base.root
     try:
+        if rec.spec.repo is not None:  # the branch as the remote has it, fetched here
+            from overnight.coordinator.workspace import remote
+
+            state = workspace.state_dir()
+            here = remote.local_base(base, rec.spec, state)
+            root = here.root
+            branch = remote.sync(remote.Remote.of(rec.spec, state), here, task_id) or sha
         if stat:
-            click.echo(
-                workspace.git("diff", "--stat", f"{base.sha}..{branch}", cwd=base.root), nl=False
-            )
+            click.echo(workspace.git("diff", "--stat", f"{sha}..{branch}", cwd=root), nl=False)
         else:
-            click.echo(workspace.diff(base.root, base.sha, branch), nl=False)
+            click.echo(workspace.diff(root, sha, branch), nl=False)
     except (workspace.GitError, OSError) as exc:
         raise CommandError(f"overnight diff: {exc}", EXIT_USAGE) from None
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from overnight.coordinator.report.text import printable
 from overnight.coordinator.tasks.states import State
 from overnight.coordinator.tasks.store import TaskRecord
+from overnight.coordinator.workspace.plan import redact
 
 if TYPE_CHECKING:
     from overnight.coordinator.report.model import Report
@@ -65,6 +67,7 @@ def workspace_dict(rec: TaskRecord) -> dict[str, Any]:
     cp = rec.checkpoint
     return {
         "workspace": base.mode if base is not None else None,
+        "repo": redact(rec.spec.repo) if rec.spec.repo else None,
         "base": base.sha if base is not None else None,
         "branch": cp.branch,
         "head": cp.head,
@@ -336,9 +339,17 @@ def task_diffs(records: list[TaskRecord]) -> dict[str, str]:
         if base is None or not getattr(base, "sha", None) or not head:
             continue
         try:
-            from overnight.coordinator.workspace.worktree import diff
+            from overnight.coordinator.workspace import remote
+            from overnight.coordinator.workspace.worktree import diff, state_dir
 
-            out[rec.id] = diff(base.root, base.sha, head)
+            root = base.root
+            if rec.spec.repo is not None:  # from this host's cache, fetched if it lacks head
+                state = state_dir()
+                here = remote.local_base(base, rec.spec, state)
+                root = here.root
+                if not remote.has_all(Path(root), [base.sha, head]):
+                    remote.sync(remote.Remote.of(rec.spec, state), here, rec.id)
+            out[rec.id] = diff(root, base.sha, head)
         except Exception:  # a repository moved or pruned: the card goes without
             continue
     return out
@@ -346,7 +357,6 @@ def task_diffs(records: list[TaskRecord]) -> dict[str, str]:
 
 def write_html(client: Any, namespace: str, path: Any) -> Report:
     """Gather the report and write it to ``path`` as one HTML file; returns the report."""
-    from pathlib import Path
 
     from overnight.coordinator.report.html import write
 

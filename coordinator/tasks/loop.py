@@ -45,6 +45,7 @@ from overnight.coordinator.tasks.turn import (
     resumed,
     spent_nothing,
 )
+from overnight.coordinator.workspace.remote import PushRefused
 from overnight.coordinator.workspace.taskspace import (
     TaskSpace,
     WorkspaceError,
@@ -240,6 +241,11 @@ class TaskLoop:
         self._ran = False
         try:
             outcome, cp = self._run_step(rec, cp, req, request)
+        except PushRefused as exc:  # another host moved the task: its outcome is unknown
+            log.warning("task %s: %s; leaving the step in flight to recovery", rec.id, exc)
+            if self.keeper is not None:
+                self.keeper.stop()  # the claim lapses: recovery decides, as for a lost worker
+            return LoopEnd.lost()
         except (GitError, OSError, WorkspaceError) as exc:
             if not self._ran:  # it never started: nothing was spent
                 self._give_back(rec, cp.step, request)

@@ -70,6 +70,11 @@ def refusal(rec: TaskRecord, from_base: bool) -> str | None:
         what = "reconcile it first" if rec.state == "paused_for_reconciliation" else "wait"
         return f"task {rec.id!r} is {rec.state}, not ended; {what}"
     base = rec.spec.base
+    if from_base and rec.spec.repo is not None:
+        return (
+            f"task {rec.id!r} is from a repo: its branch is on the remote, which --from-base "
+            "does not rename (rerun it on its branch, or submit it again with a new id)"
+        )
     if from_base and (base is None or base.mode != WORKTREE):
         return (
             f"task {rec.id!r} works in place: it has no base commit to start from "
@@ -116,7 +121,7 @@ def run_again(
     run, kept = uuid.uuid4().hex[:8], None
     if from_base:
         kept = _set_aside(rec, store.keys.namespace, state)
-    else:
+    elif rec.spec.repo is None:  # a repo task's tree is made again from its remote branch
         _move_worktree(rec, store.keys.namespace, state, run)
     spec = next_spec(rec.spec, rec.calls_used, budget)
     cp = next_checkpoint(rec.checkpoint, from_base=from_base)

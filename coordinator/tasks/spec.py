@@ -110,6 +110,12 @@ class TaskSpec(BaseModel):
     limits: TaskLimits | None = None
     # Globs (relative to the repository root) put back from the base before every verifier run.
     protect: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
+    # A git remote the task works from instead of a workdir (coordinator.workspace.remote):
+    # its ``ref`` (default: the remote's HEAD) is the base; after every turn the task's
+    # branch is pushed to ``push_to`` (default: ``repo``).
+    repo: str | None = None
+    ref: str | None = None
+    push_to: str | None = None
     # Set at submit from the workdir (never from the file): the base the task works from.
     base: Base | None = None
 
@@ -136,6 +142,22 @@ class TaskSpec(BaseModel):
     def _workdir(cls, value: str) -> str:
         if "\x00" in value:
             raise ValueError("must not contain NUL characters")
+        return value
+
+    @field_validator("repo", "push_to")
+    @classmethod
+    def _remote(cls, value: str | None) -> str | None:
+        problem = None if value is None else workspace.url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("ref")
+    @classmethod
+    def _ref(cls, value: str | None) -> str | None:
+        problem = None if value is None else workspace.ref_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("envelope")

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from overnight.config.errors import OvernightError
 from overnight.coordinator import agents
 from overnight.coordinator.tasks.spec import Rule, TaskLimits, TaskSpec
+from overnight.coordinator.workspace import remote as remote_ws
 from overnight.coordinator.workspace import rulepath
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.worker.sandbox import stepuser
@@ -106,9 +107,13 @@ def load(
     except ValueError as exc:
         raise TaskFileError([f"{label}: (file): {exc}"]) from None
     problems: list[str] = []
+    remote = "repo" in data
+    problems += [f"{label}: {key}: {why}" for key, why in remote_key_problems(data)]
     workdir_text = data.get("workdir", ".")
     workdir = None
-    if isinstance(workdir_text, str) and "\x00" not in workdir_text:
+    if remote:
+        workdir = Path()
+    elif isinstance(workdir_text, str) and "\x00" not in workdir_text:
         try:
             workdir = (path.parent / workdir_text).resolve()
             if not workdir.is_dir():
@@ -130,11 +135,27 @@ def load(
     assert workdir is not None
     state = state or workspace.state_dir()
     argvs = [rule.run for rule in spec.verifier]
-    got = workspace.resolve(workdir, spec.workspace, spec.protect, argvs, state)
+    if remote:
+        got = remote_ws.resolve(spec, state)
+    else:
+        got = workspace.resolve(workdir, spec.workspace, spec.protect, argvs, state)
     if got.problems:
         raise TaskFileError([f"{label}: {key}: {text}" for key, text in got.problems])
     assert got.base is not None
-    if spec.id and got.base.mode == workspace.WORKTREE and not (known and known(spec.id)):
+    if spec.id and remote and not (known and known(spec.id)):
+        branch = workspace.branch_name(spec.id)
+        try:
+            pushed = remote_ws.branch_pushed(spec, spec.id, state)
+        except (workspace.GitError, OSError) as exc:
+            raise TaskFileError([f"{label}: push_to: {exc}"]) from None
+        if pushed:
+            where = workspace.redact(spec.push_to or spec.repo or "")
+            why = (
+                f"branch {branch} already exists on {where} (an earlier run of this task): "
+                "delete it there, or give the task another id"
+            )
+            raise TaskFileError([f"{label}: id: {why}"])
+    elif spec.id and got.base.mode == workspace.WORKTREE and not (known and known(spec.id)):
         branch = workspace.branch_name(spec.id)
         if workspace.branch_exists(got.base.root, branch):
             why = (
@@ -143,7 +164,8 @@ def load(
                 f"--from-base to start over), or delete the branch to submit the file afresh"
             )
             raise TaskFileError([f"{label}: id: {why}"])
-    update = {"workdir": str(workdir), "workspace": got.base.mode, "base": got.base}
+    where = "" if remote else str(workdir)
+    update = {"workdir": where, "workspace": got.base.mode, "base": got.base}
     loaded = spec.model_copy(update=update)
     missing = command_problems(loaded, os.environ.get("PATH", ""), _step_user())
     if missing:
@@ -158,6 +180,19 @@ def load(
             "the task agent_failed"
         )
     return loaded
+
+
+def remote_key_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Why the keys of a task file do not name one workspace: ``workdir`` or ``repo`` (not
+    both), ``ref`` and ``push_to`` only with ``repo``, which works on a branch."""
+    if "repo" not in data:
+        return [(key, "needs repo") for key in ("ref", "push_to") if key in data]
+    out = []
+    if "workdir" in data:
+        out.append(("workdir", "a task names a workdir or a repo, not both"))
+    if data.get("workspace", "worktree") != "worktree":
+        out.append(("workspace", 'a task from a repo works on its branch ("worktree")'))
+    return out
 
 
 def _lookup_path(path: str, cwd: str) -> str:

@@ -31,6 +31,9 @@ HARDENING = (
 )
 # Commands that would run a repository's diff drivers: always without them.
 NO_DRIVERS = {"diff": ("--no-ext-diff", "--no-textconv"), "log": ("--no-ext-diff", "--no-textconv")}
+# The worker's own ways of reaching a task's remote (a prompt program, an ssh command, a CA):
+# kept for the calls that talk to a remote, dropped from every other git call.
+REMOTE_PASS = ("GIT_ASKPASS", "GIT_SSH", "GIT_SSH_COMMAND", "GIT_SSL_CAINFO", "GIT_SSL_CAPATH")
 
 
 class GitError(OvernightError):
@@ -44,8 +47,12 @@ def program() -> str:
     return shutil.which("git", path=SYSTEM_PATH) or "git"
 
 
-def _git_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+def _git_env(remote: bool = False) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GIT_") or (remote and k in REMOTE_PASS)
+    }
     env.update(
         PATH=SYSTEM_PATH,  # what git itself starts (a helper, a filter's program)
         GIT_CONFIG_NOSYSTEM="1",
@@ -69,9 +76,25 @@ class Where:
     index: str | None = None
 
 
-def git(*args: str, cwd: str | None = None, at: Where | None = None, check: bool = True) -> str:
+@dataclass(frozen=True)
+class Reach:
+    """A git call that talks to a remote: ``config`` added to the command line (after the
+    hardening, so it wins), ``env`` (command-scope config such as the remote's URL, which
+    then appears in no argv and no file), the worker's :data:`REMOTE_PASS` variables kept."""
+
+    config: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def git(
+    *args: str,
+    cwd: str | None = None,
+    at: Where | None = None,
+    check: bool = True,
+    reach: Reach | None = None,
+) -> str:
     """Run ``git ARGS`` (argv, never a shell); returns stdout. Raises :class:`GitError`."""
-    out = git_bytes(*args, cwd=cwd, at=at, check=check)
+    out = git_bytes(*args, cwd=cwd, at=at, check=check, reach=reach)
     return out.decode("utf-8", "surrogateescape")
 
 
@@ -82,10 +105,11 @@ def git_bytes(
     check: bool = True,
     data: bytes | None = None,
     pass_fds: Sequence[int] = (),
+    reach: Reach | None = None,
 ) -> bytes:
     """:func:`git` with ``data`` on its stdin and its stdout as bytes (``pass_fds`` stay open
     in git, as ``/proc/self/fd/N``)."""
-    proc = _run(args, cwd, at, data, pass_fds)
+    proc = _run(args, cwd, at, data, pass_fds, reach)
     if check and proc.returncode != 0:
         err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
         raise GitError(f"git {args[0] if args else ''}: {err[0] if err else proc.returncode}")
@@ -97,19 +121,30 @@ def git_ok(*args: str, cwd: str | None = None, at: Where | None = None) -> bool:
     return _run(args, cwd, at, None).returncode == 0
 
 
+def git_proc(
+    *args: str, cwd: str | None = None, reach: Reach | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """``git ARGS`` run to its end whatever its exit status (for a caller that reads its
+    output on failure too, as a refused push's)."""
+    return _run(args, cwd, None, None, (), reach)
+
+
 def _run(
     args: Sequence[str],
     cwd: str | None,
     at: Where | None,
     data: bytes | None,
     pass_fds: Sequence[int] = (),
+    reach: Reach | None = None,
 ) -> subprocess.CompletedProcess[bytes]:
     argv = [program()]
-    for item in HARDENING:
+    for item in (*HARDENING, *(reach.config if reach is not None else ())):
         argv += ["-c", item]
     if cwd is not None:
         argv += ["-C", cwd]
-    env = _git_env()
+    env = _git_env(remote=reach is not None)
+    if reach is not None:
+        env.update(reach.env)
     if at is not None:
         argv += [f"--git-dir={at.git_dir}", f"--work-tree={at.work_tree}"]
         if at.index is not None:

@@ -4,12 +4,15 @@ overnight's commit message says. Pure functions, tested as tables."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import PurePosixPath
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +45,7 @@ class Base(BaseModel):
     named: tuple[str, ...] = ()
     snapshot: dict[str, str] = Field(default_factory=dict)
     snapshot_dir: str | None = None
+    ref: str | None = None
 
 
 @cache
@@ -144,3 +148,116 @@ def clean_path(path: str, forbidden: Iterable[str]) -> str:
             continue
         kept.append(entry)
     return os.pathsep.join(kept)
+
+
+# --- tasks from a git remote ------------------------------------------------------------------
+
+# What a task's ``repo`` / ``push_to`` may be: a URL of these schemes, scp-like
+# ``user@host:path``, or an absolute path (a repository on this host's file system).
+REMOTE_SCHEMES = ("https", "http", "ssh", "git", "file")
+_SCP_RE = re.compile(r"^(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9.-]+:(?!//)[^\s]+$")
+REF_RE = re.compile(r"^(?!-)(?!.*\.\.)(?!.*//)[A-Za-z0-9._/-]{1,200}(?<![/.])$")
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot name a task's remote (None: it can). Never repeats a password."""
+    if not url.strip() or any(ord(c) < 32 or c.isspace() for c in url):
+        return "must be a git URL without blanks or control characters"
+    if url.startswith("-"):
+        return "must not start with '-'"
+    if url.startswith("/"):
+        return None
+    if "://" in url:
+        scheme = url.split("://", 1)[0].lower()
+        if scheme not in REMOTE_SCHEMES:
+            known = ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
+            return f"{redact(url)!r}: the scheme {scheme!r} is not one of {known}"
+        try:
+            parts = urlsplit(url)
+        except ValueError as exc:
+            return f"{redact(url)!r} is not a URL: {exc}"
+        if scheme != "file" and not parts.hostname:
+            return f"{redact(url)!r} names no host"
+        return None
+    if "::" in url.split("/", 1)[0]:
+        return f"{redact(url)!r}: a remote helper (<transport>::<address>) is not allowed"
+    if _SCP_RE.match(url):
+        return None
+    return f"{redact(url)!r} is not a git URL (scheme://host/path, user@host:path or /path)"
+
+
+def ref_problem(ref: str) -> str | None:
+    """Why ``ref`` cannot name the task's base on its remote (a branch, tag or full ref)."""
+    if ref == "HEAD" or REF_RE.match(ref):
+        return None
+    return f"{ref!r} is not a ref name (a branch, a tag, refs/..., or HEAD)"
+
+
+def redact(url: str) -> str:
+    """``url`` without the password of its user part (``https://user:****@host/...``): what
+    overnight prints or logs of a remote."""
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    auth, at, tail = rest.partition("@")
+    if not at or "/" in auth:
+        return url
+    user, colon, _ = auth.partition(":")
+    return f"{scheme}://{user}{':****' if colon else ''}@{tail}"
+
+
+def redact_text(text: str, urls: Iterable[str]) -> str:
+    """``text`` with each of ``urls`` (and its password alone) redacted."""
+    for url in urls:
+        if url and url != redact(url):
+            text = text.replace(url, redact(url))
+            password = url.split("://", 1)[1].partition("@")[0].partition(":")[2]
+            if password:
+                text = text.replace(password, "****")
+    return text
+
+
+def cache_name(url: str) -> str:
+    """The folder name of a remote's cache on a host: the same for every credential."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        auth, at, tail = rest.partition("@")
+        url = f"{scheme.lower()}://{tail}" if at and "/" not in auth else url
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Tips:
+    """What is known of a remote task's branch when a host opens its tree: the base, the
+    head the task's record holds (its last committed turn), the remote's tip of
+    ``overnight/<task>`` (None: the branch is not there), and whether that tip grows from
+    the base and contains the head."""
+
+    base: str
+    head: str | None
+    remote: str | None
+    has_base: bool = False
+    has_head: bool = False
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a host starts a remote task's tree: a commit, or why it cannot."""
+
+    commit: str | None
+    problem: str | None = None
+
+
+def start_of(tips: Tips, branch: str) -> Start:
+    """The commit a host starts the task's tree from: the remote's tip when the branch is
+    there (a previous host's turns), else the base. A branch that does not grow from the
+    base, or lacks the turn the record holds, is refused (someone else moved it)."""
+    if tips.remote is None:
+        if tips.head is None or tips.head == tips.base:
+            return Start(tips.base)
+        return Start(None, f"the remote has no {branch}, though turn commit {tips.head[:12]} was")
+    if not tips.has_base:
+        return Start(None, f"{branch} on the remote does not grow from the base {tips.base[:12]}")
+    if tips.head is not None and not tips.has_head:
+        return Start(None, f"{branch} on the remote lacks the task's turn {tips.head[:12]}")
+    return Start(tips.remote)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from overnight.config.errors import OvernightError
-from overnight.coordinator.workspace import checkout
+from overnight.coordinator.workspace import checkout, remote
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.checkout import Checked
 from overnight.coordinator.workspace.rulepath import rule_path, rule_user
@@ -68,12 +68,19 @@ class TaskSpace:
         self.globs = list(rec.spec.protect)
         self.workdir = rec.spec.workdir
         self.state = state
+        # A task from a git remote works in this host's cache of it, and pushes its branch.
+        self.remote = remote.Remote.of(rec.spec, state) if rec.spec.repo else None
+        self.pushed: str | None = None  # the remote's tip of the task's branch, as last seen
+        if self.remote is not None and self.base is not None:
+            self.base = remote.local_base(self.base, rec.spec, state)
+            self.workdir = self.base.root
         self.namespace = namespace
         self.host = hostname()
         self.tree: Worktree | None = None
         self.owner: StepUser | None = None  # whom this run handed the worktree to
         # The branch's last commit overnight knows (its audit trail is never rewound).
         self.last: str | None = rec.checkpoint.head or (self.base.sha if self.base else None)
+        self.last_recorded = rec.checkpoint.head
 
     @property
     def git(self) -> bool:
@@ -91,7 +98,13 @@ class TaskSpace:
             path = workspace.worktree_path(self.state, self.namespace, self.task_id, self.run)
             fresh = not path.exists()
             branch = workspace.branch_name(self.task_id)
-            self.tree = workspace.open_worktree(self.base.root, self.base.sha, branch, path)
+            if self.remote is not None:
+                self.tree, self.pushed = remote.open_tree(
+                    self.remote, self.base, self.last_recorded, self.task_id, path
+                )
+                fresh = True  # made again or kept: handed to the step user either way
+            else:
+                self.tree = workspace.open_worktree(self.base.root, self.base.sha, branch, path)
             # A tree an earlier attempt left is another uid's when each task has its own.
             if user is not None and (fresh or os.lstat(path).st_uid != user.uid):
                 _chown_tree(path, user)
@@ -135,6 +148,9 @@ class TaskSpace:
             message = workspace.commit_message(self.task_id, turn, outcome)
             sha = workspace.commit_step(self.tree, message, keep=self.last)
             self.last = sha
+            if self.remote is not None:  # overnight's push, outside the step and its sandbox
+                remote.push(self.remote, self.task_id, sha, self.pushed)
+                self.pushed = sha
             changed = checkout.commit_changes(self.base, self.globs, sha)
             stat = workspace.diffstat(self.base.root, self.base.sha, sha)
             return AfterAgent(sha, tuple(changed), stat)
@@ -157,6 +173,8 @@ class TaskSpace:
         commit = head if self.git else None
         if self.git and commit is None:
             commit = self.base.sha
+        if self.remote is not None and not remote.has_all(self.remote.cache, [commit]):
+            remote.sync(self.remote, self.base, self.task_id)  # a turn another host pushed
         owner = (user.uid, user.gid) if user is not None else None
         with checkout.prepared(
             self.base, self.globs, scratch, commit=commit, frozen=frozen, owner=owner
@@ -230,6 +248,7 @@ def prune(store: TaskStore, state: Path) -> list[str]:
             lines.append(f"{rec.id}: removed {frozen}")
         if base is None or base.mode != workspace.WORKTREE:
             continue
+        base = remote.local_base(base, rec.spec, state)
         path = workspace.worktree_path(state, store.keys.namespace, rec.id, rec.run)
         if not path.exists():
             continue

@@ -57,7 +57,10 @@ from overnight.coordinator.workspace.plan import (
     lock_reason,
     named_files,
     protected_of,
+    redact,
+    ref_problem,
     unmatched_globs,
+    url_problem,
 )
 from overnight.coordinator.workspace.tree import tree_of
 from overnight.worker.sandbox import nofollow
@@ -108,7 +111,10 @@ __all__ = [
     "open_worktree",
     "protected_of",
     "read_blobs",
+    "redact",
+    "ref_problem",
     "remove_worktree",
+    "reopen_worktree",
     "repo_root",
     "resolve",
     "rev",
@@ -117,6 +123,7 @@ __all__ = [
     "tree_files",
     "unlock",
     "unmatched_globs",
+    "url_problem",
     "worktree_path",
 ]
 
@@ -169,6 +176,37 @@ def open_worktree(root: str, base_sha: str, branch: str, path: Path) -> Worktree
             git("worktree", "add", str(path), branch, cwd=root)
         else:
             raise GitError(f"branch {branch} exists and does not grow from the task's base")
+    admin = _admin_dir(root, str(path))
+    if admin is None:
+        raise GitError(f"{path} is not a worktree of {root}")
+    return Worktree(root, str(path), admin, branch)
+
+
+def reopen_worktree(root: str, start: str, branch: str, path: Path) -> Worktree:
+    """The task's worktree at ``path`` on ``branch`` at commit ``start``: the one there if
+    its branch is at ``start`` already (what a step of this host left in it stays), else
+    made afresh there (the files there go without following a link; the branch is set to
+    ``start``). For a task whose branch another host may have moved since."""
+    if path.exists() or os.path.islink(path):
+        at = rev(root, f"refs/heads/{branch}")
+        if at != start or _admin_dir(root, str(path)) is None:
+            git("worktree", "unlock", str(path), cwd=root, check=False)
+            try:
+                nofollow.remove_path(str(path))
+            except OSError as exc:
+                raise GitError(f"{path} could not be removed: {exc.strerror or exc}") from None
+    if not path.exists():
+        make_folders(path.parent, 0o711)  # a step user walks through
+        git("worktree", "prune", cwd=root)
+        git(
+            "update-ref",
+            "-m",
+            "overnight: the task's tree starts here",
+            f"refs/heads/{branch}",
+            start,
+            cwd=root,
+        )
+        git("worktree", "add", "--force", "--quiet", str(path), branch, cwd=root)
     admin = _admin_dir(root, str(path))
     if admin is None:
         raise GitError(f"{path} is not a worktree of {root}")
