@@ -105,10 +105,10 @@ def start(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[s
 
 
 def supervise(
-    args: list[str], env: dict[str, str], timeout: float = 30
+    args: list[str], env: dict[str, str], timeout: float = 30, **kw: Any
 ) -> tuple[int, dict[str, Any], str]:
     """Run ``overnight supervise ARGS``; returns (exit code, final document, child output)."""
-    proc = start(args, env)
+    proc = start(args, env, **kw)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, final_doc(out), out + err
 

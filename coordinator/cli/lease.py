@@ -204,6 +204,8 @@ def _supervise(
     s = quick_settings()
     user = decide(s.step_user, s.allow_root_steps, os.geteuid(), uids=s.step_uids)  # or exit 78
     sandbox = launch.require(s.sandbox, user)  # exit 78 if one is asked for and cannot start
+    if sandbox and lease_file is not None:
+        _check_in_tree(lease_file)
     spec = supervisor.StepSpec(
         argv=argv,
         deadline=_seconds("--deadline", deadline, s.deadline),
@@ -233,6 +235,19 @@ def _supervise(
             )
         click.echo(result.doc.to_json())
     return result.exit_code
+
+
+def _check_in_tree(lease_file: str) -> None:
+    """A sandboxed step sees the current folder and nothing else of the host's files: a
+    lease file elsewhere would never be seen by it (its worker would stop at once)."""
+    tree = os.path.realpath(os.getcwd())
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(lease_file)))
+    if folder != tree and not folder.startswith(tree.rstrip("/") + "/"):
+        raise CommandError(
+            f"--lease-file {lease_file} is outside the current folder {tree}, the only one "
+            "a sandboxed step sees: put it there (or run with OVERNIGHT_SANDBOX=off)",
+            EXIT_USAGE,
+        )
 
 
 @click.command("beat", context_settings={"help_option_names": ["-h", "--help"]})

@@ -31,7 +31,11 @@ def make_cluster(tmp_path: Path) -> Iterator[Any]:
     stack: list[Any] = []
 
     def make(hosts: int) -> Cluster:
-        cm = cluster(tmp_path, hosts)
+        # What these tests prove is the fleet's: one budget, host loss, no run twice at once.
+        # Their witness is one trace every run of every task appends to, with its host's
+        # name: exactly the cross-task channel a sandbox closes (its proof is in
+        # tests/worker/sandbox; tests/system/test_remote_hosts.py runs hosts sandboxed).
+        cm = cluster(tmp_path, hosts, {"OVERNIGHT_SANDBOX": "off"})
         made = cm.__enter__()
         stack.append(cm)
         return made

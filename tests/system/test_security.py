@@ -291,6 +291,9 @@ def test_a_supervised_child_cannot_forge_ends_or_beat_another_lease(
     victim = Leases(r, keys).acquire(budget_sec=600, gap_sec=600)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
+    # Given the Redis URL and a network to reach it (OVERNIGHT_SANDBOX=off gives both; a
+    # sandboxed step has neither), the lease scripts still refuse a forged end or beat.
+    env = {**env, "OVERNIGHT_SANDBOX": "off"}
     proc = subprocess.run(
         [
             OVERNIGHT,
@@ -350,9 +353,11 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
     # (the key reaches the model step on its stdin only, never an environment). Each step
     # is held until the scan has seen it: the model step by a model that answers only then,
     # the rule until the scan writes the file it waits for.
-    held = tmp_path / "rule-seen"
-    hold = f"import os, time\nwhile not os.path.exists({str(held)!r}): time.sleep(0.02)"
-    path = task_file(tmp_path, "quiet", None, [[PY, "-c", hold]], max_calls=2)
+    # The rule waits in its own (sandboxed) folder: the scan releases it through /proc.
+    hold = "import os, time\nwhile not os.path.exists('released'): time.sleep(0.02)"
+    marker = "rule-held-until-seen"
+    path = task_file(tmp_path, "quiet", None, [[PY, "-c", hold, marker]], max_calls=2)
+    held = False
     assert run(tenv, "envelope", "reset", "5").returncode == 0
     assert run(tenv, "submit", str(path)).returncode == 0
     argvs: set[str] = set()
@@ -380,13 +385,14 @@ def test_secrets_never_show_in_logs_receipts_config_argv_or_errors(
                             step_envs.add(environ.decode(errors="replace"))
                             if "model_step" in cmd and model.requests:
                                 model.release.set()
-                            if str(held) in cmd:
-                                held.touch()
+                            if marker in cmd:
+                                Path(f"/proc/{pid}/cwd/released").touch()
+                                held = True
             time.sleep(0.01)
         out, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, out[-3000:]
     # The scan saw both steps, each with its environment.
-    assert model.release.is_set() and held.exists(), out[-3000:]
+    assert model.release.is_set() and held, out[-3000:]
     assert len(step_envs) >= 2, step_envs
     seen += [out, *argvs, *step_envs]
     for args in (["receipts"], ["status", "quiet"], ["report"], ["lease", "list", "--json"]):

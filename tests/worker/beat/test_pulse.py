@@ -130,8 +130,10 @@ def test_a_note_from_the_child_reaches_the_lease(
         "left = beat(note='halfway')\nassert 0 < left <= 5, left\n"
         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
     )
-    proc = start(
-        ["--gap", "5", "--lease-id", f"note-{namespace}", "--", sys.executable, "-c", script], env
+    proc = start(  # from tmp_path: the tree a sandboxed step sees, "go" in it
+        ["--gap", "5", "--lease-id", f"note-{namespace}", "--", sys.executable, "-c", script],
+        env,
+        cwd=tmp_path,
     )
     try:
         leases = Leases(r, Keys(namespace))

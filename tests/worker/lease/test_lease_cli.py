@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -23,8 +24,10 @@ from overnight.worker.lease.store import Leases
 from tests.helpers import OVERNIGHT
 
 
-def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=30)
+def run(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [OVERNIGHT, *args], env=env, capture_output=True, text=True, timeout=30, **kw
+    )
 
 
 @pytest.fixture
@@ -46,7 +49,10 @@ def test_beat_renews_and_a_beat_after_the_end_is_refused(
         f" 'w')); raise SystemExit(subprocess.run([{OVERNIGHT!r}, 'beat', '--note', 'hello'],"
         " capture_output=True).returncode)"
     )
-    proc = run(["supervise", "--no-output-beats", "--", sys.executable, "-c", script], env)
+    # From tmp_path: the tree a sandboxed step sees (and writes env.json into).
+    proc = run(
+        ["supervise", "--no-output-beats", "--", sys.executable, "-c", script], env, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     child_env = json.loads(saved.read_text())
     # The same channel, once its lease is over: refused for good.

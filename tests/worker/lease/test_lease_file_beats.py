@@ -15,7 +15,8 @@ import pytest
 
 from overnight.worker.lease import file as leasefile
 from overnight.worker.lease.file import FileBeat, asked
-from tests.helpers import OVERNIGHT, supervise, wait_for
+from overnight.worker.sandbox import launch
+from tests.helpers import OVERNIGHT, lacking, supervise, wait_for
 
 PY = sys.executable
 
@@ -132,6 +133,7 @@ def test_the_recipes_worker_beats_through_the_file(
             mode,
         ],
         env,
+        cwd=tmp_path,  # the tree a sandboxed step sees: the lease file in it
     )
     assert code == 0, out
     assert (doc["status"], doc["note"]) == ("done", "worker-complete")
@@ -164,6 +166,7 @@ def test_a_note_written_to_the_file_reaches_the_lease(env: dict[str, str], tmp_p
             "in-place",
         ],
         env=env,
+        cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -201,6 +204,7 @@ def test_the_file_cannot_end_or_extend_the_lease(env: dict[str, str], tmp_path: 
             "hostile",
         ],
         env,
+        cwd=tmp_path,  # the tree a sandboxed step sees: the lease file in it
     )
     # It beat (so no gap kill) but its deadline held, and its "done" was never taken.
     assert code == 2, out
@@ -234,6 +238,33 @@ def test_a_status_without_a_beat_is_a_gap(env: dict[str, str], tmp_path: Path) -
             str(path),
         ],
         env,
+        cwd=tmp_path,  # the tree a sandboxed step sees: the lease file in it
     )
     assert code == 3, out
     assert doc["status"] == "killed" and doc["note"].startswith("heartbeat-gap-")
+
+
+@pytest.mark.parametrize(("sandbox", "code"), [("bwrap", 64), ("off", 0)])
+@pytest.mark.timeout(60)
+def test_a_lease_file_a_sandboxed_step_could_not_see_is_refused(
+    env: dict[str, str], tmp_path: Path, sandbox: str, code: int
+) -> None:
+    if sandbox == "bwrap" and launch.find_bwrap() is None:
+        lacking("bubblewrap is not installed")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    path = tmp_path / "lease.json"  # beside the tree, not in it
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--quiet", "--lease-file", str(path), "--", "true"],
+        env={**env, "OVERNIGHT_SANDBOX": sandbox},
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == code, proc.stderr
+    if code:
+        assert len(proc.stderr.strip().splitlines()) == 1 and "--lease-file" in proc.stderr
+        assert not path.exists()
+    else:  # the twin without a sandbox: the file mirrors the lease
+        assert json.loads(path.read_text())["status"] == "done"

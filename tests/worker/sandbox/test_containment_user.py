@@ -354,8 +354,8 @@ def test_a_hostile_task_agent_leaves_the_task_envelope_and_receipts_truthful(
     }
     out = stage / "report.json"
     uid = str(step_user.uid)
-    # The agent runs as the step user; its rules as overnight's own user.
-    rules = [["test", "-f", "ok.txt"], ["sh", "-c", f'test "$(id -u)" != {uid}']]
+    # The agent runs as the step user, and so do its rules (never as overnight's own user).
+    rules = [["test", "-f", "ok.txt"], ["sh", "-c", f'test "$(id -u)" = {uid}']]
     hostile = task_file(
         stage, "hostile", [PY3, str(stage / "probe.py"), str(redis_server.port), str(out)], rules
     )
