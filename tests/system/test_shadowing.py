@@ -81,9 +81,9 @@ def test_worker_with_reaper_in_a_shadowing_folder_ends_as_anywhere(
 ) -> None:
     folder = plant_shadows(tmp_path / "here")
     tasks = tmp_path / "tasks"
-    gate = tmp_path / "go"
+    gate = tasks / "under-reaper" / "go"  # in the task's own tree: what its sandbox sees
     # The step waits for the test to see the worker's reaper, so the burst cannot end first.
-    waits = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)\n"
+    waits = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
     waits += "open('ok.txt', 'w').close()"
     path = task_file(
         tasks,

@@ -135,8 +135,10 @@ def test_worker_restarts_a_killed_gateway_and_the_next_step_is_metered(
         assert f"exited (code -{signal.SIGKILL}); restarted as pid {second}" in said, said
 
         CallEnvelope(r, "default", namespace).reset(10)
-        (tmp_path / "agent.py").write_text(AGENT)
-        agent = [sys.executable, str(tmp_path / "agent.py")]
+        tree = tmp_path / "after"  # the task's tree: all a sandboxed step sees of the host
+        tree.mkdir()
+        (tree / "agent.py").write_text(AGENT)
+        agent = [sys.executable, str(tree / "agent.py")]
         path = task_file(tmp_path, "after", agent, [["test", "-f", "ok.txt"]], workspace="in-place")
         submitted = cli(wenv, "submit", "--wait", str(path))
         assert submitted.returncode == 0, submitted.stderr + log_path.read_text()[-3000:]

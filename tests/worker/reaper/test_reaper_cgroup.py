@@ -88,7 +88,10 @@ def test_a_sigkilled_supervisors_step_dies_through_its_cgroup(
 ) -> None:
     lease_id = f"cg-{uuid.uuid4().hex[:8]}"
     mark = f"overnight-reaped-{uuid.uuid4().hex}"
-    env = {**env, "OVERNIGHT_STEP_USER": step_user.name}
+    # The reaper's own proof, without the sandbox: bwrap's --die-with-parent would end the
+    # tree with its supervisor and hide whether the reaper did (and the pids it writes
+    # must be the host's).
+    env = {**env, "OVERNIGHT_STEP_USER": step_user.name, "OVERNIGHT_SANDBOX": "off"}
     supervisor = subprocess.Popen(
         [
             OVERNIGHT,

@@ -221,6 +221,10 @@ def test_a_sigkilled_supervisor_is_still_reaped_through_its_proof(
         f"trap '' PIPE; setsid sleep 300 & echo $! > {pids}.tmp; echo $$ >> {pids}.tmp; "
         f"mv {pids}.tmp {pids}; while :; do echo tick; sleep 0.1; done"
     )
+    # The reaper's own proof, without the sandbox: bwrap's --die-with-parent would end the
+    # tree with its supervisor and hide whether the reaper did (and the pids it writes
+    # must be the host's).
+    env = {**env, "OVERNIGHT_SANDBOX": "off"}
     supervisor = subprocess.Popen(
         [
             OVERNIGHT,

@@ -26,11 +26,11 @@ import pytest
 import redis
 
 from overnight.config.keys import Keys
-from overnight.worker.sandbox import cgroup
+from overnight.worker.sandbox import cgroup, launch
 from overnight.worker.sandbox.stepuser import StepUser, lookup
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
 from tests import reachable
-from tests.helpers import OVERNIGHT, capability, final_doc, wait_for
+from tests.helpers import OVERNIGHT, capability, final_doc, lacking, wait_for
 
 PY3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 HAS_CGROUP = cgroup.available()
@@ -204,6 +204,10 @@ def test_no_escapee_outlives_the_lease(
 ) -> None:
     mark = f"overnight-escape-{uuid.uuid4().hex}"
     env = {**env, "OVERNIGHT_STEP_USER": step_user.name}
+    if mode == "unshare":
+        # A sandboxed step cannot make a user namespace at all (its own test below): the
+        # tree kill of one that did is proved where it can, without the sandbox.
+        env["OVERNIGHT_SANDBOX"] = "off"
     args = ["--gap", "6", "--grace", "0.5", "--"]
     proc = subprocess.run(
         [OVERNIGHT, "supervise", *args, *argv(stage, mode, mark)],
@@ -298,3 +302,28 @@ def test_a_plain_user_supervisor_ends_the_tree_through_proc(mode: str, env: dict
         assert proc.returncode == (3 if mode == "deaf" else 0), proc.stderr[-2000:]
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sandbox", "made"), [("bwrap", False), ("off", True)])
+def test_a_sandboxed_step_cannot_make_a_user_namespace(
+    sandbox: str, made: bool, stage: Path, step_user: StepUser, env: dict[str, str]
+) -> None:
+    if sandbox == "bwrap" and launch.find_bwrap() is None:
+        lacking("bubblewrap is not installed")
+    if shutil.which("unshare") is None:
+        lacking("no unshare(1) on this host")
+    env = {**env, "OVERNIGHT_STEP_USER": step_user.name, "OVERNIGHT_SANDBOX": sandbox}
+    made_it = "echo made-a-user-namespace"
+    proc = subprocess.run(
+        [OVERNIGHT, "supervise", "--", "unshare", "--user", "--map-root-user", "sh", "-c", made_it],
+        env=env,
+        cwd=stage,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    doc = final_doc(proc.stdout)
+    # The twin without the sandbox shows the same step as the step user does make one.
+    assert ("made-a-user-namespace" in proc.stdout) == made, proc.stdout + proc.stderr
+    assert (doc["exit_code"] == 0) == made, doc
