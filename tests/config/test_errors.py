@@ -33,6 +33,7 @@ REFUSALS = [
     ("overnight.coordinator.tasks.store", "TaskRefused", Exception),
     ("overnight.coordinator.tasks.store", "TaskIdTaken", Exception),
     ("overnight.coordinator.workspace.worktree", "GitError", Exception),
+    ("overnight.coordinator.workspace.remote", "PushRefused", Exception),
     ("overnight.coordinator.workspace.taskspace", "WorkspaceError", Exception),
     ("overnight.coordinator.night.embedded_redis", "RedisBinaryMissing", RuntimeError),
     ("overnight.coordinator.tasks.loop", "CallRefused", Exception),
