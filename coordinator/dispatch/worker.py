@@ -31,7 +31,7 @@ from overnight.coordinator.dispatch.listener import stop_listening
 from overnight.coordinator.dispatch.recovery import recover
 from overnight.coordinator.report.logs import prune_task_logs, task_log_root
 from overnight.coordinator.tasks.store import TaskRefused, TaskStore
-from overnight.worker.redisio.clients import Backoff, transient
+from overnight.worker.redisio.clients import STARTUP_WAIT, Backoff, retry_transient, transient
 from overnight.worker.supervise.procs import set_dumpable, set_pdeathsig
 
 log = logging.getLogger("overnight.dispatch")
@@ -109,6 +109,13 @@ class OvernightWorker(Worker):
     def _recovery_due(self) -> bool:
         last = self._last_recovery
         return last is None or time.monotonic() - last >= current_settings().recovery_interval
+
+    def _set_ip_address(self, connection: Any) -> None:
+        # RQ names its connection (CLIENT SETNAME, CLIENT INFO) from __init__, outside any
+        # loop: a worker made again mid-failover (the old primary gone, no new one named
+        # yet) waits for a primary as a starting worker does instead of exiting 69.
+        call = partial(super()._set_ip_address, connection)
+        retry_transient(call, f"worker {self.name}", log, patience=STARTUP_WAIT, cap=2.0)
 
     # --- Redis errors are transient: RQ's loop would quit on them ----------------------------
     def _stalled(self, exc: Exception) -> None:

@@ -1,0 +1,71 @@
+"""A worker made during a Sentinel failover waits for the new primary instead of exiting 69.
+
+RQ's ``Worker.__init__`` names its connection (CLIENT SETNAME, CLIENT INFO) before any loop
+of ours runs, and ``overnight worker`` makes its worker again after a Redis error escaped
+RQ's start-up: while the sentinels name no primary yet (``MasterNotFoundError``) or the old
+one is gone (connection refused), that call raised out of the command. The error is injected
+here, a given number of times, into a client of the session's real Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from redis.sentinel import MasterNotFoundError
+
+from overnight.coordinator.dispatch import worker as worker_module
+from overnight.coordinator.dispatch.worker import OvernightWorker
+
+
+class Failover(redis.Redis):
+    """A client whose first ``fails`` CLIENT SETNAMEs raise ``error`` (what a Sentinel
+    client raises mid-failover), then reach the server."""
+
+    def __init__(self, url: str, error: Exception, fails: int) -> None:
+        pool = redis.ConnectionPool.from_url(url)
+        super().__init__(connection_pool=pool)
+        self.error, self.fails, self.tries = error, fails, 0
+
+    def client_setname(self, name: str) -> Any:
+        self.tries += 1
+        if self.tries <= self.fails:
+            raise self.error
+        return super().client_setname(name)
+
+
+ERRORS = [
+    MasterNotFoundError("No master found for 'night'"),
+    redis.ConnectionError("Error 111 connecting to 10.231.0.1:6390. Connection refused."),
+]
+
+
+@pytest.fixture(autouse=True)
+def _keep_this_process_dumpable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker makes its own process undumpable; here that process is pytest's.
+    monkeypatch.setattr(worker_module, "set_dumpable", lambda _on: None)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("error", ERRORS, ids=["no-primary-named", "primary-gone"])
+def test_a_worker_made_mid_failover_waits_for_the_primary(
+    env: dict[str, str], namespace: str, error: Exception
+) -> None:
+    client = Failover(env["OVERNIGHT_REDIS_URL"], error, fails=3)
+    w = OvernightWorker([namespace], connection=client)
+    assert client.tries == 4  # three refused, backed off (0.1 s, 0.2 s, 0.4 s), then named
+    assert w.ip_address not in ("", "unknown")
+    assert w.work(burst=True) is False  # it works: no job, a clean burst
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_its_twin_a_primary_that_never_comes_back_is_given_up_after_the_patience(
+    env: dict[str, str], namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "STARTUP_WAIT", 0.5)
+    client = Failover(env["OVERNIGHT_REDIS_URL"], ERRORS[0], fails=10**6)
+    with pytest.raises(MasterNotFoundError):
+        OvernightWorker([namespace], connection=client)
+    assert 2 <= client.tries <= 4  # 0.1 + 0.2 s waited, the next wait past the patience
+    client.close()
