@@ -1,7 +1,9 @@
 """Several hosts on one machine: each a Linux network namespace made here, joined to one
 Redis in its own namespace by a veth pair (a private link 10.231.K.0/24 that exists only
 between namespaces this module made), with its own host name (``unshare --uts``) and
-``OVERNIGHT_HOST_ID``; the coordinator's commands run in a namespace of their own.
+``OVERNIGHT_HOST_ID``; the coordinator's commands run in a namespace of their own. With
+:meth:`Cluster.start_sentinels`, replicas and sentinels join the primary in the Redis
+namespace and every process is given a ``redis+sentinel://`` URL.
 
 The test process itself reaches that Redis only through its Unix socket (a file, which no
 network namespace hides), so no traffic leaves the namespaces made here. A host can be
@@ -33,7 +35,12 @@ from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import find_redis_server
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
-REDIS_PORT = 6390
+REDIS_PORT = 6390  # the primary's; its replicas' are the next ones
+SENTINEL_PORT = 26390
+SERVICE = "night"  # the name the sentinels know the primary by
+# The Redis namespace's end of the coordinator's link: the one address of it every host can
+# reach (given a route), so the one the sentinels name the primary by.
+SHARED_ADDR = "10.231.0.1"
 # Settings every process of the cluster gets (timing knobs shrunk for tests).
 FAST = {
     "OVERNIGHT_TASK_CLAIM_TTL": "1",
@@ -107,7 +114,13 @@ class Cluster:
         self.redis_proc: subprocess.Popen[bytes] | None = None
         self.socket = folder / "redis.sock"
         self._client: redis.Redis | None = None
+        self._client_socket = self.socket
         self._count = hosts
+        self.servers: dict[int, Path] = {}  # port -> Unix socket, of every redis-server
+        self.replica_procs: list[subprocess.Popen[bytes]] = []  # replicas and sentinels
+        self.sentinel_sockets: list[Path] = []
+        self.sentinel_password = ""
+        self.redis_url: str | None = None  # every process's, when not the primary's own
 
     # --- building -------------------------------------------------------------------------
 
@@ -183,57 +196,167 @@ class Cluster:
         return netns, "10.232.0.1"
 
     def _start_redis(self) -> None:
-        data = self.folder / "redis"
+        self.redis_proc = self._redis_server("redis", REDIS_PORT, self.socket, [])
+        self.servers[REDIS_PORT] = self.socket
+
+    def _redis_server(
+        self, name: str, port: int, socket: Path, config: list[str], *, sentinel: bool = False
+    ) -> subprocess.Popen[bytes]:
+        """A redis-server (or a sentinel) in the Redis namespace on ``port`` (every address
+        of it) and its Unix socket; ``config`` lines go in through stdin (or, for a sentinel,
+        a file: it rewrites its own), so no password is in an argument list. Returns once
+        it answers PING on its socket."""
+        data = self.folder / name
         data.mkdir(parents=True, exist_ok=True)
-        argv = [
-            "ip",
-            "netns",
-            "exec",
-            self.redis_ns,
-            find_redis_server(),
-            "-",
-            "--port",
-            str(REDIS_PORT),
-            "--bind",
-            "0.0.0.0",
-            "--unixsocket",
-            str(self.socket),
-            "--unixsocketperm",
-            "700",
-            "--dir",
-            str(data),
-            "--logfile",
-            str(data / "redis.log"),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
+        own = [
+            f"port {port}",
+            "bind 0.0.0.0",
+            f"unixsocket {socket}",
+            "unixsocketperm 700",
+            f"dir {data}",
+            f"logfile {data / 'redis.log'}",
+            'save ""',
+            "appendonly no",
+            "daemonize no",
+            *config,
         ]
+        exe = ["ip", "netns", "exec", self.redis_ns, find_redis_server()]
         quiet = subprocess.DEVNULL
-        self.redis_proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=quiet, stderr=quiet)
-        assert self.redis_proc.stdin is not None
-        with self.redis_proc.stdin:
-            self.redis_proc.stdin.write(f"requirepass {self.password}\n".encode())
+        if sentinel:
+            conf = data / "sentinel.conf"
+            conf.write_text("\n".join(own[:6] + config) + "\n")
+            conf.chmod(0o600)
+            argv, text = [*exe, str(conf), "--sentinel"], b""
+        else:
+            own.append(f"requirepass {self.password}")
+            argv, text = [*exe, "-"], ("\n".join(own) + "\n").encode()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=quiet, stderr=quiet)
+        assert proc.stdin is not None
+        with proc.stdin:
+            proc.stdin.write(text)
+        password = self.sentinel_password if sentinel else self.password
         deadline = time.monotonic() + 15
         while True:
-            with contextlib.suppress(redis.RedisError, OSError):
-                if self.client.ping():
-                    return
-            if time.monotonic() > deadline or self.redis_proc.poll() is not None:
+            probe = redis.Redis(unix_socket_path=str(socket), password=password)
+            with contextlib.suppress(redis.RedisError, OSError), probe:
+                if probe.ping():
+                    return proc
+            if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"redis-server did not start; see {data / 'redis.log'}")
             time.sleep(0.05)
+
+    def start_sentinels(self, replicas: int = 2, sentinels: int = 3) -> str:
+        """Replicas of the primary and sentinels watching it (quorum 2), all in the Redis
+        namespace, each on a port and a Unix socket of its own, every one with a password.
+        They name the primary (and, after a failover, a replica) by the Redis namespace's
+        address on the coordinator's link, :data:`SHARED_ADDR`, to which every host is given
+        a route. From now on every process of the cluster gets the ``redis+sentinel://`` URL
+        (returned) and :attr:`client` follows the primary the sentinels name."""
+        self.sentinel_password = uuid.uuid4().hex
+        follow = [
+            f"masterauth {self.password}",
+            f"replicaof {SHARED_ADDR} {REDIS_PORT}",
+            f"replica-announce-ip {SHARED_ADDR}",
+        ]
+        for i in range(1, replicas + 1):
+            socket = self.folder / f"redis-{i}.sock"
+            self.replica_procs.append(
+                self._redis_server(f"redis-{i}", REDIS_PORT + i, socket, follow)
+            )
+            self.servers[REDIS_PORT + i] = socket
+        for k, host in enumerate(self.hosts, start=1):
+            _ip("-n", host.netns, "route", "add", f"{SHARED_ADDR}/32", "via", f"10.231.{k}.1")
+        watch = [
+            f"sentinel announce-ip {SHARED_ADDR}",
+            f"sentinel monitor {SERVICE} {SHARED_ADDR} {REDIS_PORT} 2",
+            f"sentinel auth-pass {SERVICE} {self.password}",
+            f"sentinel down-after-milliseconds {SERVICE} 1000",
+            f"sentinel failover-timeout {SERVICE} 10000",
+            f"requirepass {self.sentinel_password}",
+            f"sentinel sentinel-pass {self.sentinel_password}",
+        ]
+        ports = [SENTINEL_PORT + i for i in range(sentinels)]
+        for port in ports:
+            socket = self.folder / f"sentinel-{port}.sock"
+            self.replica_procs.append(
+                self._redis_server(f"sentinel-{port}", port, socket, watch, sentinel=True)
+            )
+            self.sentinel_sockets.append(socket)
+        deadline = time.monotonic() + 60
+        while not self._watching(replicas, sentinels):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinels never saw every server; see {self.folder}")
+            time.sleep(0.1)
+        watchers = ",".join(f"{SHARED_ADDR}:{p}" for p in ports)
+        self.redis_url = (
+            f"redis+sentinel://:{self.password}@{watchers}/{SERVICE}"
+            f"?sentinel_password={self.sentinel_password}"
+        )
+        return self.redis_url
+
+    def _watching(self, replicas: int, sentinels: int) -> bool:
+        """Every sentinel knows the primary's replicas and the other sentinels, and every
+        replica is in sync."""
+        try:
+            for socket in self.sentinel_sockets:
+                with self._sentinel(socket) as s:
+                    reps = s.execute_command("SENTINEL", "replicas", SERVICE)
+                    others = s.execute_command("SENTINEL", "sentinels", SERVICE)
+                if (len(reps), len(others)) != (replicas, sentinels - 1):
+                    return False
+            for port, socket in self.servers.items():
+                if port == REDIS_PORT:
+                    continue
+                with redis.Redis(unix_socket_path=str(socket), password=self.password) as r:
+                    if r.info("replication").get("master_link_status") != "up":
+                        return False
+        except (redis.RedisError, OSError):
+            return False
+        return True
+
+    def _sentinel(self, socket: Path) -> redis.Redis:
+        return redis.Redis(
+            unix_socket_path=str(socket), password=self.sentinel_password, socket_timeout=2
+        )
+
+    def primary_port(self) -> int | None:
+        """The port the sentinels name for the primary now: None while they disagree (or
+        none answers)."""
+        named = set()
+        for socket in self.sentinel_sockets:
+            try:
+                with self._sentinel(socket) as s:
+                    addr = s.execute_command("SENTINEL", "get-master-addr-by-name", SERVICE)
+            except (redis.RedisError, OSError):
+                return None
+            named.add(int(addr[1]) if addr else None)
+        return named.pop() if len(named) == 1 else None
+
+    def kill_primary(self) -> float:
+        """SIGKILL the first primary (``ip netns exec`` execs redis-server: the same pid);
+        returns when (wall clock)."""
+        assert self.redis_proc is not None
+        at = time.time()
+        self.redis_proc.kill()
+        self.redis_proc.wait(5)
+        return at
 
     # --- reaching things ----------------------------------------------------------------------
 
     @property
     def client(self) -> redis.Redis:
-        """The test's own text client (through the Unix socket)."""
-        if self._client is None:
+        """The test's own text client (through the primary's Unix socket; with sentinels,
+        the primary they name: after a failover, the promoted replica's)."""
+        socket = self.socket
+        if self.sentinel_sockets:
+            socket = self.servers.get(self.primary_port() or REDIS_PORT, self.socket)
+        if self._client is None or self._client_socket != socket:
+            if self._client is not None:
+                self._client.close()
             self._client = redis.Redis(
-                unix_socket_path=str(self.socket), password=self.password, decode_responses=True
+                unix_socket_path=str(socket), password=self.password, decode_responses=True
             )
+            self._client_socket = socket
         return self._client
 
     def url(self, addr: str) -> str:
@@ -248,7 +371,7 @@ class Cluster:
         env["OVERNIGHT_NAMESPACE"] = self.namespace
         env["OVERNIGHT_QUEUE"] = self.namespace
         addr = host.redis_addr if host is not None else self.coord_addr
-        env["OVERNIGHT_REDIS_URL"] = self.url(addr)
+        env["OVERNIGHT_REDIS_URL"] = self.redis_url or self.url(addr)
         env["OVERNIGHT_HOST_ID"] = host.host_id if host is not None else f"coord-{self.tag}"
         if host is not None and host.model_url:
             env["OVERNIGHT_MODEL_URL"] = host.model_url
@@ -380,6 +503,7 @@ class Cluster:
                 time.sleep(0.02)
         procs = [p for h in self.hosts for p in h.procs]
         procs += [self.redis_proc] if self.redis_proc is not None else []
+        procs += self.replica_procs
         for proc in procs:
             with contextlib.suppress(Exception):
                 proc.kill()

@@ -20,7 +20,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from rq import Queue, Worker
-from rq.job import Job
+from rq.executions import cleanup_execution
+from rq.job import Job, JobStatus
 
 from overnight.config.context import settings as current_settings
 from overnight.config.keys import Keys
@@ -31,7 +32,7 @@ from overnight.coordinator.dispatch.listener import stop_listening
 from overnight.coordinator.dispatch.recovery import recover
 from overnight.coordinator.report.logs import prune_task_logs, task_log_root
 from overnight.coordinator.tasks.store import TaskRefused, TaskStore
-from overnight.worker.redisio.clients import Backoff, transient
+from overnight.worker.redisio.clients import STARTUP_WAIT, Backoff, retry_transient, transient
 from overnight.worker.supervise.procs import set_dumpable, set_pdeathsig
 
 log = logging.getLogger("overnight.dispatch")
@@ -54,6 +55,17 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _horse_gone(pid: int) -> bool:
+    """Whether work horse ``pid`` has exited (reaped here if RQ left it)."""
+    try:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return False
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return True
 
 
 def _host_ready() -> bool:
@@ -96,6 +108,7 @@ class OvernightWorker(Worker):
         self._lead: RecoveryLead | None = None
         self._forced = False
         self._redis = Backoff(f"worker {self.name}", log)
+        self._dropped: list[tuple[Job, int]] = []  # jobs given up on in a stall, their horse
 
     @property
     def dequeue_timeout(self) -> int:
@@ -109,6 +122,13 @@ class OvernightWorker(Worker):
     def _recovery_due(self) -> bool:
         last = self._last_recovery
         return last is None or time.monotonic() - last >= current_settings().recovery_interval
+
+    def _set_ip_address(self, connection: Any) -> None:
+        # RQ names its connection (CLIENT SETNAME, CLIENT INFO) from __init__, outside any
+        # loop: a worker made again mid-failover (the old primary gone, no new one named
+        # yet) waits for a primary as a starting worker does instead of exiting 69.
+        call = partial(super()._set_ip_address, connection)
+        retry_transient(call, f"worker {self.name}", log, patience=STARTUP_WAIT, cap=2.0)
 
     # --- Redis errors are transient: RQ's loop would quit on them ----------------------------
     def _stalled(self, exc: Exception) -> None:
@@ -161,13 +181,46 @@ class OvernightWorker(Worker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
+        if self._dropped:
+            self._ride(self._release_dropped, again=True)
         dequeue = partial(super().dequeue_job_and_maintain_ttl, timeout, max_idle_time)
         return self._ride(dequeue, again=True)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         # The horse ran (or not) and the task's own writes tell which; its claim lapses if
-        # nobody holds it, and recovery takes it from there.
-        self._ride(partial(super().execute_job, job, queue))
+        # nobody holds it, and recovery takes it from there. The job is ended once Redis
+        # answers again (:meth:`_release_dropped`).
+        try:
+            super().execute_job(job, queue)
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            self._stalled(exc)
+            self._dropped.append((job, self.horse_pid))
+
+    def _release_dropped(self) -> None:
+        """End each job given up on in a stall once its horse is gone: its execution
+        removed and the job marked failed. It read ``started`` by this worker, alive, which
+        recovery takes as running; so a task its horse never claimed (the stall came
+        between the dequeue and the claim) was never enqueued again."""
+        kept: list[tuple[Job, int]] = []
+        for job, pid in self._dropped:
+            if pid and not _horse_gone(pid):
+                kept.append((job, pid))
+                continue
+            mine = [e for e in self.executions.values() if e.job_id == job.id]
+            with self.connection.pipeline() as pipe:
+                for execution in mine:
+                    cleanup_execution(self, job, pipe, execution)
+                job.set_status(JobStatus.FAILED, pipeline=pipe)
+                pipe.execute()
+            self.log.warning("worker %s: job %s given up in a Redis stall", self.name, job.id)
+            if job.func_name in _JOB_FUNCS and len(job.args) == 3:
+                # Its task, if still queued, is due a recovery check now, not a grace on.
+                client, keys = text_client(self.connection), Keys(str(job.args[0]))
+                store = TaskStore(client, keys, retention=current_settings().retention)
+                store.queued_checked([str(job.args[1])], store.now() - store.queued_grace)
+        self._dropped = kept
 
     def teardown(self) -> None:
         try:
