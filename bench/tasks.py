@@ -122,7 +122,11 @@ def run_overnight(url: str, n: int, workers: int, env: dict[str, str], workdir: 
     elapsed = _drain(argv, workers, env, Path(env["BENCH_LOGS"]))
     states = [rec.state for rec in store.all()]
     if states.count("finished_verified") != n:
-        raise SystemExit(f"overnight verified {states.count('finished_verified')} of {n} tasks")
+        other = next(rec for rec in store.all() if rec.state != "finished_verified")
+        raise SystemExit(
+            f"overnight verified {states.count('finished_verified')} of {n} tasks; "
+            f"one of the others: {other.model_dump_json()}"
+        )
     return elapsed
 
 
@@ -151,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
                 os.pathsep
             ),
         )
+        # An in-place workdir every task's step may write: as root each task's step runs
+        # as a uid of its own, which a private temporary folder would shut out.
+        work = Path(tmp) / "work"
+        work.mkdir()
+        work.chmod(0o1777)
+        Path(tmp).chmod(0o755)
         plains, ourses = [], []
         for i in range(args.rounds):
             plains.append(run_plain(server.url, args.tasks, args.workers, env))
             ours_env = {**env, "OVERNIGHT_NAMESPACE": f"{env['OVERNIGHT_NAMESPACE']}-{i}"}
-            ourses.append(run_overnight(server.url, args.tasks, args.workers, ours_env, Path(tmp)))
+            ourses.append(run_overnight(server.url, args.tasks, args.workers, ours_env, work))
     plain, ours, n = min(plains), min(ourses), args.tasks
     print(
         f"tasks={n} workers={args.workers} rounds={args.rounds} (best of each; "

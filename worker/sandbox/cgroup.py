@@ -172,15 +172,17 @@ class StepGroup:
         hurry: Callable[[], bool] | None = None,
         wake_fds: Iterable[int] = (),
         kill_timeout: float = 5.0,
+        settle: float = 0.0,
     ) -> EndReport:
         """End the group: ``first_signal`` to every member (and to members that appear
         meanwhile), up to ``grace`` seconds for them to go, then :meth:`kill`. ``hurry()``
-        returning True (checked whenever ``wake_fds`` wake us) skips the rest of the grace."""
+        returning True (checked whenever ``wake_fds`` wake us) skips the rest of the grace.
+        ``settle``: seconds the group may first take to empty by itself (a step that exited
+        leaves its sandbox's init tearing its namespaces down for a few milliseconds)."""
         started = time.monotonic()
         if not self.populated():
             return EndReport(seconds=time.monotonic() - started)
         signalled: set[int] = set()
-        grace_end = started + grace
         poller = select.poll()
         for fd in wake_fds:
             poller.register(fd, select.POLLIN)
@@ -189,6 +191,12 @@ class StepGroup:
         events = self._open_events()
         if events >= 0:
             poller.register(events, select.POLLPRI)
+        settled = started + settle
+        while self._populated(events) and (now := time.monotonic()) < settled:
+            if hurry is not None and hurry():
+                break
+            poller.poll(max(1, int(min(settled - now, 0.01) * 1000)))
+        grace_end = time.monotonic() + grace
         try:
             while self._populated(events):
                 signalled |= self.signal_all(first_signal, skip=signalled)

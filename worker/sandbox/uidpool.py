@@ -59,22 +59,36 @@ def pick(task_id: str, first: int, last: int, taken: Iterable[int]) -> int | Non
     return None
 
 
-def ids_in_status(text: str) -> set[int]:
+def ids_in_status(status: bytes) -> set[int]:
     """Every uid and gid (real, effective, saved, filesystem) a ``/proc/PID/status`` names."""
     found: set[int] = set()
-    for line in text.splitlines():
-        if line.startswith(("Uid:", "Gid:")):
-            found.update(int(v) for v in line.split()[1:] if v.isdigit())
+    for key in (b"\nUid:", b"\nGid:"):
+        start = status.find(key)
+        if start < 0:
+            continue
+        end = status.find(b"\n", start + len(key))
+        line = status[start + len(key) : end if end >= 0 else len(status)]
+        found.update(int(v) for v in line.split() if v.isdigit())
     return found
 
 
 def ids_running() -> set[int]:
-    """The uids and gids some process of this host runs with."""
+    """The uids and gids some process of this host runs with (read with plain descriptors:
+    a pool hand-out scans the whole table twice)."""
     found: set[int] = set()
     for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError):
-                found |= ids_in_status(Path(f"/proc/{name}/status").read_text())
+        if not name.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{name}/status", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            found |= ids_in_status(os.read(fd, 8192))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return found
 
 

@@ -31,6 +31,9 @@ log = logging.getLogger("overnight.supervisor")
 
 # How long members may resist SIGKILL before they are reported as survivors.
 KILL_TIMEOUT = 5.0
+# How long the group of a child that exited may take to empty by itself before it is
+# signalled: a sandbox's init tears the step's namespaces down after the step's exit.
+SETTLE = 0.05
 # The most stdin data a step gets: a pipe's default buffer, written before the step runs.
 PIPE_DATA = 65536
 
@@ -193,6 +196,14 @@ class Child:
         finally:
             os.close(gate_fd)
 
+    def _exited(self) -> bool:
+        """True once the child has exited (left unreaped)."""
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return info is not None and info.si_pid == self.pid
+
     def exit_status(self) -> tuple[bool, int]:
         """How the exited child ended, leaving it unreaped: (True, exit code) or (False, signal)."""
         info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
@@ -232,6 +243,7 @@ class Child:
                 hurry=hurry,
                 wake_fds=wake,
                 kill_timeout=KILL_TIMEOUT,
+                settle=SETTLE if self._exited() else 0.0,
             )
             grace = 0.0
         report = tree.end_tree(

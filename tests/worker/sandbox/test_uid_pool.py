@@ -85,11 +85,15 @@ def test_the_setting_of_step_uids(value: object, expected: str | None) -> None:
 @pytest.mark.parametrize(
     ("status", "ids"),
     [
-        ("Name:\tsh\nUid:\t1\t2\t3\t4\nGid:\t5\t5\t5\t6\nGroups:\t9\n", {1, 2, 3, 4, 5, 6}),
-        ("Name:\tsh\n", set()),
+        (
+            b"Name:\tsh\nUid:\t1\t2\t3\t4\nGid:\t5\t5\t5\t6\nFDSize:\t64\nGroups:\t9\n",
+            {1, 2, 3, 4, 5, 6},
+        ),
+        (b"Name:\tsh\nUid:\t7\t7\t7\t8", {7, 8}),
+        (b"Name:\tsh\n", set()),
     ],
 )
-def test_ids_in_status(status: str, ids: set[int]) -> None:
+def test_ids_in_status(status: bytes, ids: set[int]) -> None:
     assert ids_in_status(status) == ids
 
 
