@@ -251,6 +251,14 @@ def _peer_pid(conn: socket.socket) -> int:
     return int(pid)
 
 
+def _queued(sock: socket.socket) -> str:
+    """What is waiting to be read on ``sock`` now ("" if nothing)."""
+    try:
+        return sock.recv(256, socket.MSG_DONTWAIT).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _reply(conn: socket.socket, data: bytes) -> None:
     with contextlib.suppress(OSError):
         conn.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
@@ -311,7 +319,11 @@ def send_beat(
             sock.settimeout(max(0.01, end - time.monotonic()))
             reply = sock.recv(256).decode("utf-8", "replace")
         except (ConnectionResetError, BrokenPipeError):
-            raise closed from None
+            # A supervisor that answered and closed before reading our request resets the
+            # connection; its answer is still queued behind the reset.
+            reply = _queued(sock)
+            if not reply:
+                raise closed from None
         except TimeoutError:
             raise ChannelDown(f"lease {lease_id}: its supervisor did not answer a beat") from None
         if not reply:
