@@ -123,7 +123,8 @@ TAMPERS = {
     "background-rewriter": (
         "import os, subprocess, sys; os.makedirs('build', exist_ok=True);"
         "g = lambda *a: subprocess.run(['git', *a], capture_output=True, text=True).stdout.strip();"
-        "argv = ['.', g('symbolic-ref', '--short', 'HEAD'), g('rev-parse', 'HEAD'),"
+        "argv = [os.environ.get('REWRITE_REPO', '.'), g('symbolic-ref', '--short', 'HEAD'),"
+        " g('rev-parse', 'HEAD'),"
         " os.environ.get('REWRITE_MARK', 'build/landed')];"
         f"p = subprocess.Popen([sys.executable, '-c', {REWRITER!r}, *argv],"
         " start_new_session=True,"
@@ -150,6 +151,12 @@ def rewriter_task(folder: Path, mark: Path, **extra: object) -> Path:
         {"name": "check", "run": ["python3", "check.py"]},
         {"name": "tests", "run": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]},
     ]
-    env = {"PATH": "bin:" + os.environ.get("PATH", ""), "REWRITE_MARK": str(mark)}
+    # The user's repository, where the rewriter sees the step's commit land (the tree's own
+    # repository is the task's alone: overnight's commits are not made there).
+    env = {
+        "PATH": "bin:" + os.environ.get("PATH", ""),
+        "REWRITE_MARK": str(mark),
+        "REWRITE_REPO": str(folder),
+    }
     extra = {"max_calls": 4, **extra}
     return task_toml(folder, TAMPERS["background-rewriter"], verifier=verifier, env=env, **extra)

@@ -19,7 +19,6 @@ from overnight.coordinator.tasks.taskfile import TaskSpec
 from overnight.coordinator.workspace.taskspace import TaskSpace, verifier_env
 from overnight.worker.gateway.grant import Grant
 from overnight.worker.sandbox import stepenv, stepuser
-from overnight.worker.sandbox.launch import worktree_git
 from overnight.worker.sandbox.limits import Limits
 from overnight.worker.sandbox.limits import configured as limits_setting
 from overnight.worker.sandbox.nofollow import open_append
@@ -168,7 +167,7 @@ def step_request(
         network=spec.network,
         allow_hosts=tuple(spec.allow_hosts),
         limits=step_limits(spec),
-        readable=(str(folder), *(worktree_git(tree.git_dir) if tree else ())),
+        readable=(str(folder), *(space.git_readable() if space is not None else ())),
     )
 
 

@@ -161,10 +161,9 @@ def _move_worktree(rec: TaskRecord, namespace: str, state: Path | None, run: str
     if not path.exists():
         return
     try:
-        ws.unlock(ws.Worktree(base.root, str(path), "", ws.branch_name(rec.id)))
         target = ws.worktree_path(root, namespace, rec.id, run)
-        ws.git("worktree", "move", str(path), str(target), cwd=base.root)
-    except ws.GitError as exc:
+        ws.move_worktree(base.root, str(path), str(target))
+    except (ws.GitError, OSError) as exc:
         raise RerunRefused(f"task {rec.id!r}: cannot move its worktree: {exc}") from None
 
 
@@ -180,8 +179,7 @@ def _set_aside(rec: TaskRecord, namespace: str, state: Path | None) -> str:
     path = ws.worktree_path(state or ws.state_dir(), namespace, rec.id, rec.run)
     try:
         if path.exists():
-            ws.unlock(ws.Worktree(base.root, str(path), "", branch))
-            ws.git("worktree", "remove", "--force", str(path), cwd=base.root)
+            ws.drop_worktree(base.root, str(path))
         ws.git("worktree", "prune", cwd=base.root)
         if ws.branch_exists(base.root, branch):
             ws.git("branch", "-m", branch, kept, cwd=base.root)

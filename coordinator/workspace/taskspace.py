@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from overnight.config.errors import OvernightError
-from overnight.coordinator.workspace import checkout, remote
+from overnight.coordinator.workspace import checkout, remote, steprepo
 from overnight.coordinator.workspace import worktree as workspace
 from overnight.coordinator.workspace.checkout import Checked
 from overnight.coordinator.workspace.rulepath import rule_path, rule_user
@@ -78,6 +78,7 @@ class TaskSpace:
         self.host = hostname()
         self.tree: Worktree | None = None
         self.owner: StepUser | None = None  # whom this run handed the worktree to
+        self.git_cache: Path | None = None  # the base cache the tree's repository borrows from
         # The branch's last commit overnight knows (its audit trail is never rewound).
         self.last: str | None = rec.checkpoint.head or (self.base.sha if self.base else None)
         self.last_recorded = rec.checkpoint.head
@@ -96,8 +97,8 @@ class TaskSpace:
         assert self.base is not None and self.base.sha is not None
         if self.tree is None:
             path = workspace.worktree_path(self.state, self.namespace, self.task_id, self.run)
-            fresh = not path.exists()
             branch = workspace.branch_name(self.task_id)
+            fresh = not path.exists()
             if self.remote is not None:
                 self.tree, self.pushed = remote.open_tree(
                     self.remote, self.base, self.last_recorded, self.task_id, path
@@ -105,11 +106,34 @@ class TaskSpace:
                 fresh = True  # made again or kept: handed to the step user either way
             else:
                 self.tree = workspace.open_worktree(self.base.root, self.base.sha, branch, path)
+            if steprepo.is_git_link(self.tree.path):
+                # Made just now: git's link to the user's repository becomes the task's own
+                # repository (a tree kept from an earlier attempt has that already).
+                self._own_repository(self.tree)
             # A tree an earlier attempt left is another uid's when each task has its own.
             if user is not None and (fresh or os.lstat(path).st_uid != user.uid):
                 _chown_tree(path, user)
             self.owner = user
         return os.path.join(self.tree.path, self.base.subdir)
+
+    def _own_repository(self, tree: Worktree) -> None:
+        assert self.base is not None and self.base.sha is not None
+        cache = steprepo.cache_path(self.state, self.base.root)
+        steprepo.ensure_base(cache, self.base.root, self.base.sha)
+        start = workspace.rev(tree.root, f"refs/heads/{tree.branch}")
+        if start is None:
+            raise workspace.GitError(f"branch {tree.branch} is gone")
+        steprepo.make(tree.path, cache, tree.root, tree.branch, start)
+        self.git_cache = cache
+
+    def git_readable(self) -> tuple[str, ...]:
+        """What a sandboxed step reads besides its tree for git to work there: the base
+        cache its repository borrows objects from."""
+        if self.tree is None or not self.git:
+            return ()
+        assert self.base is not None
+        cache = self.git_cache or steprepo.cache_path(self.state, self.base.root)
+        return (str(cache),) if cache.is_dir() else ()
 
     def missing_workdir(self) -> str | None:
         """Why the task's workdir is not in its worktree (None: it is, or there is none)."""

@@ -96,6 +96,7 @@ __all__ = [
     "diff",
     "diffstat",
     "dirty",
+    "drop_worktree",
     "git",
     "git_bytes",
     "git_ok",
@@ -106,6 +107,7 @@ __all__ = [
     "list_worktrees",
     "lock",
     "lock_reason",
+    "move_worktree",
     "named_files",
     "not_in_commit",
     "open_worktree",
@@ -285,6 +287,31 @@ def remove_worktree(root: str, path: str) -> None:
     status = git("status", "--porcelain", "--untracked-files=normal", at=Where(admin, path))
     if status.strip():
         raise GitError(f"{path} contains modified or untracked files")
+    try:
+        nofollow.remove_path(path)
+    except OSError as exc:
+        raise GitError(f"{path} could not be removed: {exc.strerror or exc}") from None
+    git("worktree", "prune", cwd=root)
+
+
+def move_worktree(root: str, path: str, target: str) -> None:
+    """Move the worktree at ``path`` to ``target`` (a new folder beside it): the folder is
+    renamed (nothing in it followed) and its admin folder told where it went. Not ``git
+    worktree move``: that wants the tree's ``.git`` to be git's link, and it is the task's own
+    repository."""
+    admin = _admin_dir(root, path)
+    if admin is None:
+        raise GitError(f"{path} is not a worktree of {root}")
+    git("worktree", "unlock", path, cwd=root, check=False)
+    make_folders(Path(target).parent, 0o711)  # a step user walks through
+    os.rename(path, target)
+    (Path(admin) / "gitdir").write_text(f"{os.path.join(target, '.git')}\n")
+
+
+def drop_worktree(root: str, path: str) -> None:
+    """Remove the worktree at ``path`` whatever it holds (its branch stays): the files go
+    without following a link, then git forgets it."""
+    git("worktree", "unlock", path, cwd=root, check=False)
     try:
         nofollow.remove_path(path)
     except OSError as exc:

@@ -163,18 +163,6 @@ def own_code() -> tuple[str, ...]:
     return tuple(sorted(f for f in folders if not _under_system(f)))
 
 
-def worktree_git(git_dir: str) -> tuple[str, ...]:
-    """What a sandbox binds read-only so git reads work in a task's worktree whose admin
-    folder is ``git_dir`` (``<common>/worktrees/<name>``): the common folder holding it.
-    Nothing for any other layout. Read-only: status, diff and log work inside; writes to
-    the repository (add, commit) fail there, and overnight commits after the turn."""
-    admin = os.path.normpath(git_dir)
-    parent = os.path.dirname(admin)
-    if os.path.basename(parent) != "worktrees" or not os.path.isabs(admin):
-        return ()
-    return (os.path.dirname(parent),)
-
-
 def _outside(paths: Sequence[str], tree: str) -> list[str]:
     # overnight's code inside a task's tree (a task on overnight's own repository) is the
     # task's to edit: its read-only bind would cover the tree's.

@@ -319,10 +319,10 @@ def test_its_twin_an_honest_fix_under_the_same_path_is_verified(
     assert not list(marks.glob("git-ran-as-0"))
 
 
-# The agent points its worktree's .git file at a repository of its own whose config runs a
-# program on any git command that trusts it (fsmonitor, hooks, a clean filter).
+# The agent points its tree's .git at a repository of its own whose config runs a program
+# on any git command that trusts it (fsmonitor, hooks, a clean filter).
 REPOINT = """
-import os, pathlib, subprocess
+import os, pathlib, shutil, subprocess
 evil = pathlib.Path("evil-git").resolve()
 subprocess.run(["git", "init", "-q", "--bare", str(evil)], check=True)
 mark = "touch {marks}/git-config-ran-as-$(id -u)"
@@ -334,6 +334,7 @@ with open(evil / "config", "a") as fh:
     fh.write("[core]\\n\\tbare = false\\n\\tfsmonitor = " + mark + "\\n")
     fh.write("[filter \\"evil\\"]\\n\\tclean = " + mark + "; cat\\n")
 pathlib.Path(".gitattributes").write_text("* filter=evil\\n")
+shutil.rmtree(".git")  # the tree's own repository, replaced by a link to the evil one
 pathlib.Path(".git").write_text(f"gitdir: {{evil}}\\n")
 """
 

@@ -233,22 +233,28 @@ def test_a_genuine_fix_is_verified_on_its_branch(
     assert workspace.diff(base.root, base.sha, branch) == sh(repo, "diff", f"{base.sha}..{branch}")
 
 
-def test_an_agent_commit_is_kept_and_ignored_junk_stays_out(
+def test_an_agent_commit_stays_in_its_trees_repository_and_ignored_junk_stays_out(
     r: redis.Redis, namespace: str, tmp_path: Path
 ) -> None:
+    """The agent commits in its tree's own repository (based on the task's base); the
+    task's branch gets overnight's commit of the tree after the turn, without ignored files."""
     repo = make_repo(tmp_path / "repo")
     agent = (
         FIX + "; import subprocess, os; os.makedirs('build', exist_ok=True);"
         "open('build/junk.o', 'w').write('x');"
-        "subprocess.run(['git', '-c', 'user.name=a', '-c', 'user.email=a@b',"
-        " 'commit', '-qam', 'agent fix'], check=True)"
+        "subprocess.run(['git', 'commit', '-qam', 'agent fix'], check=True)"
     )
     rec = run(r, namespace, tmp_path, task_toml(repo, agent))
     assert rec.state == "finished_verified", rec.detail
     branch = f"overnight/{rec.id}"
     subjects = sh(repo, "log", "--format=%s", f"main..{branch}").splitlines()
-    assert subjects[1] == "agent fix" and subjects[0].startswith("overnight: task")
+    assert len(subjects) == 1 and subjects[0].startswith("overnight: task"), subjects
     assert "build/junk.o" not in sh(repo, "ls-tree", "-r", "--name-only", branch)
+    assert sh(repo, "show", f"{branch}:calc.py") == FIXED
+    tree = next((tmp_path / "state" / "worktrees" / namespace).iterdir())
+    logged = sh(tree, "log", "--format=%s %an").splitlines()
+    assert logged[0] == "agent fix overnight step" and len(logged) == 2, logged
+    assert rec.checkpoint.head not in sh(tree, "rev-list", "--all")
 
 
 def test_two_tasks_on_one_repository_work_apart(
@@ -385,7 +391,9 @@ def test_an_agent_that_rewinds_its_branch_does_not_erase_the_audit_trail(
         "if os.environ['OVERNIGHT_TURN'] == '1':\n"
         "    pathlib.Path('notes.txt').write_text('turn one')\n"
         "else:\n"
-        "    subprocess.run(['git', 'reset', '-q', '--hard', 'HEAD~1'], check=True)\n"
+        "    steps = (['add', '-A'], ['commit', '-qm', 'm'], ['reset', '-q', '--hard', 'HEAD~'])\n"
+        "    for args in steps:\n"
+        "        subprocess.run(['git', *args], check=True)\n"
         "    pathlib.Path('calc.py').write_text('def add(a, b):\\n    return a + b\\n')\n"
     )
     rec = run(r, namespace, tmp_path, task_toml(repo, agent))
@@ -395,6 +403,7 @@ def test_an_agent_that_rewinds_its_branch_does_not_erase_the_audit_trail(
         f"task {rec.id} turn 2",
         f"task {rec.id} turn 1",
     ]
+    assert sh(repo, "show", f"overnight/{rec.id}~1:notes.txt") == "turn one"
 
 
 def test_a_lost_worktree_is_made_again_on_the_task_branch(tmp_path: Path) -> None:

@@ -67,12 +67,16 @@ def test_two_workers_two_branches_and_the_morning_view(
     assert cli(wenv, "envelope", "reset", "100").returncode == 0
     repo = make_repo(tmp_path / "repo")
     (repo / "notes.txt").write_text("not committed\n")  # the base is HEAD, not this
-    # Each agent also keeps what its worktree's lock says while it runs (in ignored build/).
+    # Each agent also keeps what its worktree's lock says while it runs (in ignored build/):
+    # the lock is in the worktree's admin folder in the user's repository (the tree's own
+    # repository is the task's), which only a step without a sandbox can read.
+    wenv["OVERNIGHT_SANDBOX"] = "off"
+    admin = str(repo / ".git" / "worktrees")
     keep_lock = (
-        "; import os, subprocess; os.makedirs('build', exist_ok=True);"
-        "gd = subprocess.run(['git', 'rev-parse', '--git-dir'], capture_output=True,"
-        " text=True, check=True).stdout.strip();"
-        "open('build/lock.txt', 'w').write(open(os.path.join(gd, 'locked')).read())"
+        "; import os; os.makedirs('build', exist_ok=True);"
+        f"gd = os.path.join({admin!r}, os.path.basename(os.getcwd()));"
+        "locked = open(os.path.join(gd, 'locked')).read();"
+        "open('build/lock.txt', 'w').write(locked)"
     )
     files = [
         task_toml(repo, FIX + f"; open('{n}.txt', 'w').write('{n}')" + keep_lock, name=n, id=n)

@@ -204,3 +204,99 @@ def test_a_task_cannot_read_kill_or_write_another_task(
             worker_a.wait(timeout=30)
     state_a = json.loads(cli(wenv, "status", "a").stdout)
     assert state_a["state"] == "finished_verified", json.dumps(state_a)[-1500:]
+
+
+# Task B's agent: looks for task A's commit (its marker, its sha) in every way git offers,
+# through its own repository and through the user's, then uses git on its own work.
+SNOOP = """
+import json, os, subprocess
+marker, sha, user_repo = os.environ["MARKER"], os.environ["A_HEAD"], os.environ["USER_REPO"]
+
+def git(*args):
+    proc = subprocess.run(["git", *args], capture_output=True, timeout=60)
+    return proc.returncode, (proc.stdout + proc.stderr).decode("utf-8", "replace")
+
+got = {}
+got["own_all_objects"] = marker in git("cat-file", "--batch-all-objects", "--batch")[1]
+got["own_by_sha"] = git("cat-file", "-e", sha)[0] == 0
+got["own_refs"] = git("for-each-ref", "--format=%(refname)")[1].split()
+user = ["--git-dir", os.path.join(user_repo, ".git")]
+got["user_repo"] = marker in git(*user, "grep", marker, "refs/heads/overnight/a")[1]
+# The benign twin, in the same step: its base, a commit of its own, read back.
+got["log"] = git("log", "--format=%s")[1].split("\\n")[0]
+open("mine.txt", "w").write("mine\\n")
+code, out = git("add", "mine.txt")
+code2, out2 = git("commit", "-qm", "mine")
+got["commit"] = code == code2 == 0 or out + out2
+got["own_commit"] = git("log", "-1", "--format=%s")[1].strip()
+open("ok.txt", "w").write("x")
+json.dump(got, open("report.json", "w"))
+print("REPORT", json.dumps(got), flush=True)
+"""
+
+
+def test_a_task_reads_no_other_tasks_commits_and_commits_in_its_own_repository(
+    env: dict[str, str], stage: Path, sandbox: str
+) -> None:
+    """Two tasks on one repository: task A commits a marker on its branch; task B's agent
+    then searches its repository (every object, A's commit by sha) and the user's for it.
+    Its tree's repository is its own (the base and its own commits only), and in the
+    sandbox the user's repository is not there; the twin without the sandbox reads the
+    marker through the user's repository (the search really ran), and in both B's agent
+    commits in its own repository while overnight commits its tree on ``overnight/b``."""
+    first = 1_600_000_000 + secrets.randbelow(1_000_000) * 8
+    state = stage / "state"
+    wenv = worker_env(
+        {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"},
+        OVERNIGHT_SANDBOX=sandbox,
+        OVERNIGHT_STATE_DIR=str(state),
+        OVERNIGHT_STEP_UIDS=f"{first}-{first + 7}",
+    )
+    wenv.pop("OVERNIGHT_STEP_USER", None)
+    shared = stage / "shared"
+    shared.mkdir()
+    repo(shared)
+    marker = f"MARKER-{uuid.uuid4().hex}"
+    writer = f"open('secret.txt', 'w').write('{marker}\\n'); open('ok.txt', 'w').write('a')"
+    rules = [["test", "-f", "ok.txt"]]
+
+    def task(name: str, agent: list[str], **task_env: str) -> Path:
+        path = task_file(stage, name, agent, rules)
+        path.write_text(path.read_text().replace(f'workdir = "{name}"', 'workdir = "shared"'))
+        return with_env(path, **task_env) if task_env else path
+
+    assert cli(wenv, "envelope", "reset", "20").returncode == 0
+    assert cli(wenv, "submit", str(task("a", [PY3, "-c", writer]))).returncode == 0
+    worked = cli(wenv, "worker", "--burst", timeout=180)
+    assert worked.returncode == 0, worked.stderr[-3000:]
+    status_a = json.loads(cli(wenv, "status", "a").stdout)
+    assert status_a["state"] == "finished_verified", json.dumps(status_a)[-1500:]
+    a_head = status_a["head"]
+    shown = subprocess.run(
+        ["git", "show", f"{a_head}:secret.txt"], cwd=shared, capture_output=True, text=True
+    )
+    assert shown.stdout == f"{marker}\n"  # A's commit holds the marker
+
+    path_b = task("b", [PY3, "-c", SNOOP], MARKER=marker, A_HEAD=a_head, USER_REPO=str(shared))
+    assert cli(wenv, "submit", str(path_b)).returncode == 0
+    worked = cli(wenv, "worker", "--burst", timeout=180)
+    assert worked.returncode == 0, worked.stderr[-3000:]
+    status_b = json.loads(cli(wenv, "status", "b").stdout)
+    assert status_b["state"] == "finished_verified", json.dumps(status_b)[-1500:]
+    tree_b = next(state.glob("worktrees/*/b-*"))
+    got = json.loads((tree_b / "report.json").read_text())
+    # Its own repository: the base and its own commit, nothing of task A's.
+    assert got["own_all_objects"] is False and got["own_by_sha"] is False, got
+    assert got["own_refs"] == ["refs/heads/overnight/b"], got
+    assert got["log"] == "base" and got["commit"] is True and got["own_commit"] == "mine", got
+    # The user's repository: not in the sandbox; readable without it (the search ran).
+    assert got["user_repo"] is (sandbox == "off"), got
+    # overnight's commit after the turn carries the tree, on the task's branch.
+    files = subprocess.run(
+        ["git", "ls-tree", "--name-only", status_b["head"]],
+        cwd=shared,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert "mine.txt" in files and "secret.txt" not in files, files

@@ -13,7 +13,6 @@ from overnight.worker.sandbox.bwrap import (
     passwd_text,
     writable_problem,
 )
-from overnight.worker.sandbox.launch import worktree_git
 
 TOP = {"usr": None, "bin": "usr/bin", "lib": "usr/lib", "etc": None}
 
@@ -176,19 +175,6 @@ def test_passwd_names_the_uid(user: str, uid: int, gid: int, home: str, line: st
     assert len(entries) == 1 and entries[0].startswith(line)
     assert entries[0].split(":")[5] == home
     assert f":{gid}:" in group_text(user, gid)
-
-
-@pytest.mark.parametrize(
-    ("git_dir", "bound"),
-    [
-        ("/repo/.git/worktrees/t1-ab", ("/repo/.git",)),
-        ("/repo/.git/worktrees/t1-ab/", ("/repo/.git",)),
-        ("/repo/.git", ()),  # not a worktree's admin folder
-        ("repo/.git/worktrees/t1", ()),  # relative: never guessed
-    ],
-)
-def test_a_worktrees_repository_is_bound_read_only(git_dir: str, bound: tuple[str, ...]) -> None:
-    assert worktree_git(git_dir) == bound
 
 
 @pytest.mark.parametrize(
