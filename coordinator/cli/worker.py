@@ -37,6 +37,7 @@ def worker_command(
     """
     import contextlib
     import logging
+    from functools import partial
 
     import redis
 
@@ -65,14 +66,15 @@ def worker_command(
             raise click.BadParameter(f"bad queue name {q!r}", param_hint="--queues")
     conn = rq_connection()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    retry_transient(
-        conn.ping,
-        "worker start",
-        logging.getLogger("overnight.worker"),
-        patience=STARTUP_WAIT,
-        cap=2.0,
-    )
-    require_password(conn, settings(), "overnight worker")
+    # Both talk to the primary: a worker started while a failover runs waits for the new one.
+    for call in (conn.ping, partial(require_password, conn, settings(), "overnight worker")):
+        retry_transient(
+            call,
+            "worker start",
+            logging.getLogger("overnight.worker"),
+            patience=STARTUP_WAIT,
+            cap=2.0,
+        )
     worker = OvernightWorker(names, connection=conn, name=name)
     serve_metrics(worker.name)  # OVERNIGHT_METRICS_PORT: this worker's /metrics
     reaper = _start_reaper() if with_reaper else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -205,7 +206,7 @@ def run_coordinator(
     from overnight.coordinator.tasks.states import SETTLED
     from overnight.coordinator.tasks.stop import configured
     from overnight.coordinator.tasks.store import TaskStore
-    from overnight.worker.redisio.clients import Backoff, transient
+    from overnight.worker.redisio.clients import STARTUP_WAIT, Backoff, retry_transient, transient
 
     settings = current()
     logging.basicConfig(
@@ -216,8 +217,9 @@ def run_coordinator(
         signal.signal(sig, lambda *_: stop.set())
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
-    client.ping()
-    require_password(client, settings, "overnight coordinator")
+    # A coordinator started while a failover runs waits for the new primary.
+    for call in (client.ping, partial(require_password, client, settings, "overnight coordinator")):
+        retry_transient(call, "coordinator start", log, patience=STARTUP_WAIT, cap=2.0)
     keys = Keys(settings.namespace)
     night = Night(None if once else configured(), settings, client, keys, state_dir)
     if settings.metrics_port is not None:

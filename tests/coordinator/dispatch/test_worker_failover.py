@@ -115,3 +115,40 @@ def test_a_job_given_up_in_a_stall_is_ended_so_recovery_enqueues_its_task_again(
     due = conn.zscore(keys.task_queued, "t")
     assert due is not None and due <= time.time()  # the next recovery pass checks it
     conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_started_mid_failover_waits_for_the_primary_before_its_password_check(
+    env: dict[str, str], namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``overnight worker`` asks the primary whether anyone gets in without a password: a
+    primary gone since its first PING (connection refused) is waited for like the PING, not
+    exit 69."""
+    from click.testing import CliRunner
+
+    from overnight.config import connection, context
+    from overnight.coordinator.cli.worker import worker_command
+    from overnight.worker.sandbox import launch
+
+    calls: list[int] = []
+    real = connection.anyone_gets_in
+
+    def gone_twice(client: redis.Redis) -> bool:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise ERRORS[1]
+        return real(client)
+
+    monkeypatch.setattr(connection, "anyone_gets_in", gone_twice)
+    for key, value in {**env, "OVERNIGHT_QUEUE": namespace}.items():
+        monkeypatch.setenv(key, value)
+    cached = (context.settings, context.rq_connection, launch.configured)
+    for fn in cached:
+        fn.cache_clear()
+    try:
+        result = CliRunner().invoke(worker_command, ["--burst"], catch_exceptions=False)
+    finally:
+        for fn in cached:
+            fn.cache_clear()
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 3  # refused twice, then answered
