@@ -133,18 +133,25 @@ def uid_of(pid: int) -> int:
     raise AssertionError(f"no Uid line for {pid}")
 
 
-def test_a_task_cannot_read_kill_or_write_another_task(
-    env: dict[str, str], stage: Path, sandbox: str
-) -> None:
+def uid_pool_env(env: dict[str, str], stage: Path, sandbox: str) -> tuple[int, dict[str, str]]:
+    """A worker's environment with a uid per task from a range of 8 of its own (its first
+    uid returned), state under ``stage``, no step user and no root steps."""
     first = 1_600_000_000 + secrets.randbelow(1_000_000) * 8
-    state = stage / "state"
     wenv = worker_env(
         {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"},
         OVERNIGHT_SANDBOX=sandbox,
-        OVERNIGHT_STATE_DIR=str(state),
+        OVERNIGHT_STATE_DIR=str(stage / "state"),
         OVERNIGHT_STEP_UIDS=f"{first}-{first + 7}",
     )
     wenv.pop("OVERNIGHT_STEP_USER", None)
+    return first, wenv
+
+
+def test_a_task_cannot_read_kill_or_write_another_task(
+    env: dict[str, str], stage: Path, sandbox: str
+) -> None:
+    first, wenv = uid_pool_env(env, stage, sandbox)
+    state = stage / "state"
     secret_a, secret_c = f"A-{uuid.uuid4().hex}", f"C-{uuid.uuid4().hex}"
     rules = [["test", "-f", "ok.txt"]]
     path_a = with_env(task_file(stage, "a", [PY3, "-c", HOLDER], rules), SECRET=secret_a)
@@ -244,15 +251,8 @@ def test_a_task_reads_no_other_tasks_commits_and_commits_in_its_own_repository(
     sandbox the user's repository is not there; the twin without the sandbox reads the
     marker through the user's repository (the search really ran), and in both B's agent
     commits in its own repository while overnight commits its tree on ``overnight/b``."""
-    first = 1_600_000_000 + secrets.randbelow(1_000_000) * 8
+    _, wenv = uid_pool_env(env, stage, sandbox)
     state = stage / "state"
-    wenv = worker_env(
-        {k: v for k, v in env.items() if k != "OVERNIGHT_ALLOW_ROOT_STEPS"},
-        OVERNIGHT_SANDBOX=sandbox,
-        OVERNIGHT_STATE_DIR=str(state),
-        OVERNIGHT_STEP_UIDS=f"{first}-{first + 7}",
-    )
-    wenv.pop("OVERNIGHT_STEP_USER", None)
     shared = stage / "shared"
     shared.mkdir()
     repo(shared)
