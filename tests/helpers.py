@@ -284,11 +284,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def run_gateway(env: dict[str, str], folder: Path) -> Iterator[str]:
-    """Run ``overnight gateway`` on a free port, its log in ``folder``; yields its URL."""
+def run_gateway(env: dict[str, str], folder: Path, port: int = 0) -> Iterator[str]:
+    """Run ``overnight gateway`` on ``port`` (0: a free one), its log in ``folder``; yields
+    its URL once it listens."""
     log = folder / "gateway.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([OVERNIGHT, "gateway", "--port", "0"], env=env, stderr=out)
+        proc = subprocess.Popen([OVERNIGHT, "gateway", "--port", str(port)], env=env, stderr=out)
 
     def listening() -> str:
         text = log.read_text()

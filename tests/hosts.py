@@ -32,6 +32,7 @@ from typing import IO, Any
 import redis
 
 from overnight.config.keys import Keys
+from overnight.config.runtime import gateway_folder
 from overnight.coordinator.night.embedded_redis import find_redis_server
 
 OVERNIGHT = str(Path(sys.executable).with_name("overnight"))
@@ -381,7 +382,15 @@ class Cluster:
         return env
 
     def _in(self, netns: str, name: str, argv: list[str]) -> list[str]:
-        """``argv`` run in ``netns`` with the host name ``name`` (its own UTS namespace)."""
+        """``argv`` run in ``netns`` with the host name ``name`` (its own UTS namespace) and
+        the host's own gateway folder (a private mount namespace binds it over the machine's):
+        a gateway's socket belongs with its loopback port, and hosts that shared one would
+        find another host's gateway answering it while nothing listens on their own port."""
+        own = self.folder / "hosts" / name / "gateway"
+        own.mkdir(parents=True, exist_ok=True)
+        own.chmod(0o755)  # as overnight makes it: its user's own, open to steps
+        shared = gateway_folder()
+        shared.mkdir(mode=0o755, exist_ok=True)  # the mount point
         return [
             "ip",
             "netns",
@@ -389,11 +398,14 @@ class Cluster:
             netns,
             "unshare",
             "--uts",
+            "--mount",
             "--",
             "sh",
             "-c",
-            'hostname "$0" && exec "$@"',
+            'hostname "$0" && mount --bind "$1" "$2" && shift 2 && exec "$@"',
             name,
+            str(own),
+            str(shared),
             *argv,
         ]
 
@@ -447,6 +459,15 @@ class Cluster:
         host.procs.append(proc)
         host.logs.append(log)
         return proc
+
+    def idle_workers(self, host: Host) -> int:
+        """How many RQ workers of ``host`` wait for work, as RQ's own registry says."""
+        from rq import Queue, Worker
+
+        self.client.ping()  # the primary's socket, as of now
+        with redis.Redis(unix_socket_path=str(self._client_socket), password=self.password) as raw:
+            found = Worker.all(queue=Queue(self.namespace, connection=raw))
+            return sum(w.hostname == host.host_id and w.get_state() == "idle" for w in found)
 
     def reaper_up(self, host: Host) -> bool:
         """True while the host's reaper heartbeat is in Redis."""

@@ -244,15 +244,20 @@ async def serve(
     runner = web.AppRunner(
         gateway.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0
     )
-    await runner.setup()
     retry: asyncio.Task[None] | None = None
+    held = _hold(socket_path) if socket_path is not None else None
+    ours: Path | None = None  # the socket this gateway made, removed when it stops
     try:
+        await runner.setup()
+        # The port first: once the socket answers (what a worker waits for), the port is
+        # served too, unless another process holds it.
+        taken = await _tcp_site(runner, host, port)
+        if taken is not None and socket_path is None:
+            raise taken
         if socket_path is not None:
             await _unix_site(runner, socket_path)
-        taken = await _tcp_site(runner, host, port)
+            ours = socket_path
         if taken is not None:
-            if socket_path is None:
-                raise taken
             log.warning(
                 "gateway: %s:%d is held by another process (%s): serving %s only until it "
                 "is free; steps are not sent a token for that port meanwhile",
@@ -276,9 +281,29 @@ async def serve(
         if retry is not None:
             retry.cancel()
         await runner.cleanup()
-        if socket_path is not None:
+        if ours is not None:
             with contextlib.suppress(OSError):
-                os.unlink(socket_path)
+                os.unlink(ours)
+        if held is not None:
+            os.close(held)
+
+
+def _hold(socket_path: Path) -> int:
+    """Lock this namespace's gateway on this host for as long as the descriptor returned
+    is open: two gateways started at once (two workers of one host) would otherwise each
+    take one of port and socket, and the one that lost the other would leave the port."""
+    import fcntl
+
+    path = socket_path.with_suffix(".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(
+            98, f"another gateway of this namespace runs here (it holds {path})"
+        ) from None
+    return fd
 
 
 async def _unix_site(runner: web.AppRunner, path: Path) -> None:

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("overnight.supervisor")
 
+# Seconds a step waits for its host's gateway to answer (it may be starting again after a
+# crash) before it is refused a token and not started.
+GATEWAY_WAIT = 5.0
+
 
 def run_supervised(
     client: redis.Redis,
@@ -186,9 +190,10 @@ class _Run:
                 if ready is not None:
                     ready.close()
         except OSError as exc:
-            log.warning(
-                "lease=%s host=%s: cannot start %r: %s", self.lease_id, self.host, spec.argv[0], exc
-            )
+            line = f"lease={self.lease_id} host={self.host}: cannot start {spec.argv[0]!r}: {exc}"
+            log.warning("%s", line)
+            if self.on_output is not None:  # the step's own log says why, not only ours
+                self.on_output(f"overnight: {line}\n".encode())
             return outcome.not_started(exc)
         proof.write(
             self.keys.namespace,
@@ -279,9 +284,13 @@ class _Run:
         if grant is None:
             return None
         socket = self.spec.gateway_socket if self.spec.sandbox else None
-        problem = gateway_grant.reach_problem(grant.base_url, socket)
-        if problem is not None:  # never a token for whatever holds the gateway's place
-            raise PermissionError(13, f"the gateway cannot be trusted: {problem}")
+        # A gateway that is starting (again) is waited for, well within the lease's gap (no
+        # beat renews it yet); never a token for whatever holds the gateway's place.
+        deadline = time.monotonic() + min(GATEWAY_WAIT, self.spec.gap / 2)
+        while (problem := gateway_grant.reach_problem(grant.base_url, socket)) is not None:
+            if time.monotonic() >= deadline:
+                raise PermissionError(13, f"the gateway cannot be trusted: {problem}")
+            time.sleep(0.1)
         ttl = self.spec.deadline + self.spec.gap + 60
         self.gateway_token, env = gateway_grant.mint(
             self.client, self.keys, self.lease_id, self.keeper.token, grant, ttl, self.spec.gap

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,9 +18,10 @@ import redis
 from overnight.config.keys import Keys
 from overnight.worker.envelope.envelope import CallEnvelope
 from overnight.worker.gateway.grant import Grant
+from overnight.worker.lease.store import Leases
 from overnight.worker.redisio.receipts import read
 from overnight.worker.supervise.supervisor import StepSpec, SupervisedResult, run_supervised
-from tests.helpers import run_gateway
+from tests.helpers import free_port, run_gateway, wait_for
 
 # A silent agent: asks the model (through whatever its environment points at) and prints
 # nothing; with ``loop`` it retries like a client library would, then waits.
@@ -106,3 +108,38 @@ def test_the_token_dies_with_its_lease(
     assert refused.value.code == 401
     refused.value.close()
     assert CallEnvelope(r, "default", namespace).snapshot().consumed_model == 0
+
+
+def test_a_step_waits_for_a_gateway_still_starting_and_says_why_when_none_comes(
+    r: redis.Redis, namespace: str, env: dict[str, str], upstream: str, tmp_path: Path
+) -> None:
+    CallEnvelope(r, "default", namespace).reset(10)
+    port = free_port()
+    errors = tmp_path / "errors"
+    argv = [sys.executable, "-c", AGENT, "m", "1", str(errors), "0"]
+    grant = Grant(f"http://127.0.0.1:{port}")
+    # Nothing ever listens there: the step is not started, and its own output says why.
+    said: list[bytes] = []
+    refused = run_supervised(
+        r, Keys(namespace), StepSpec(argv, gap=2, deadline=30, grant=grant), said.append
+    )
+    assert refused.exit_code == 126, refused.reason
+    assert any(b"the gateway cannot be trusted: nothing listens" in line for line in said), said
+    # The twin: the gateway starts while the step waits for it (its lease already held): the
+    # step runs, and its call is metered.
+    results: list[SupervisedResult] = []
+    spec = StepSpec(argv, gap=30, deadline=60, grant=grant)
+    step = threading.Thread(target=lambda: results.append(_run(r, namespace, spec)))
+    step.start()
+    try:
+        leases = Leases(r, Keys(namespace))
+        wait_for(lambda: len(leases.recent()) == 2, timeout=30, interval=0.02)
+        assert not results  # still waiting when the gateway starts
+        gateway_env = {**env, "OVERNIGHT_MODEL_URL": upstream, "OVERNIGHT_MODEL_TIMEOUT": "10"}
+        with run_gateway(gateway_env, tmp_path, port=port):
+            step.join(60)
+    finally:
+        step.join(60)
+    assert [(d.exit_code, d.doc.status) for d in results] == [(0, "done")], results
+    assert not errors.exists()
+    assert CallEnvelope(r, "default", namespace).snapshot().consumed_model == 1
