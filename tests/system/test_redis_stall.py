@@ -125,7 +125,11 @@ def test_worker_and_reaper_ride_out_a_full_redis(
         rows: list[dict[str, Any]] = json.loads(out.stdout)
         return [row["state"] for row in rows if row["id"] in ids]
 
-    wait_for(lambda: states() == ["finished_verified"] * len(ids), timeout=150, interval=0.5)
+    try:
+        wait_for(lambda: states() == ["finished_verified"] * len(ids), timeout=150, interval=0.5)
+    except AssertionError:
+        said = (logs / "worker.log").read_text()[-3000:]
+        raise AssertionError(f"not every task verified: {states()}\n{said}") from None
     alive = [p.poll() is None for p in procs]
     assert alive == [True, True], (logs / "worker.log").read_text()[-4000:]
     total = 0
