@@ -339,6 +339,34 @@ def test_redis_blink_shorter_than_the_gap_costs_nothing(
     assert final_doc(out)["status"] == "done"
 
 
+# What `overnight supervise` must never load: every step has one such process beside it, and
+# pydantic alone is some 9 MB of its peak resident size (bench.supervise: <= 40 MB).
+HEAVY = ("pydantic", "pydantic_settings", "rich", "aiohttp", "rq")
+REPORT_HEAVY = f"""
+import atexit, sys
+def report():
+    print("loaded:", *[m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)
+atexit.register(report)
+from overnight.coordinator.cli.main import main
+sys.argv = ["overnight", "supervise", "--", "true"]
+main()
+"""
+
+
+@pytest.mark.parametrize("sandbox", ["bwrap", "off"])
+def test_a_supervisor_loads_no_heavy_module(env: dict[str, str], sandbox: str) -> None:
+    proc = subprocess.run(
+        [PY, "-c", REPORT_HEAVY],
+        env={**env, "OVERNIGHT_SANDBOX": sandbox},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert final_doc(proc.stdout)["status"] == "done"  # the step really ran
+    assert proc.stderr.splitlines()[-1] == "loaded:", proc.stderr
+
+
 def test_redis_unreachable_at_start_exits_69(env: dict[str, str]) -> None:
     from overnight.coordinator.night.embedded_redis import free_port
 
