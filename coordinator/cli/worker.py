@@ -3,6 +3,7 @@ reaper as its child). Parsing only; the worker is :mod:`coordinator.dispatch.wor
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -50,12 +51,13 @@ def worker_command(
     from overnight.coordinator.workspace.hostdirs import prepare_host
     from overnight.worker.redisio.clients import STARTUP_WAIT, retry_transient, transient
     from overnight.worker.sandbox import launch
-    from overnight.worker.sandbox.stepuser import configured
+    from overnight.worker.sandbox.stepuser import configured, steps_line
 
     user = configured()  # who steps run as: a setting that cannot be honoured is exit 78 now
     sandboxed = launch.configured(user)  # likewise a sandbox asked for that cannot start
     prepare_host(settings(), user)  # likewise a folder it cannot use, before any task
     click.echo(f"overnight worker: {describe(settings())}", err=True)
+    click.echo(f"overnight worker: {steps_line(user, os.geteuid())}", err=True)
     if not sandboxed:
         click.echo(
             f"overnight worker: steps run WITHOUT a sandbox ({launch.SANDBOX_VAR}=off)", err=True

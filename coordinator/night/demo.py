@@ -21,7 +21,13 @@ from overnight.config.folders import make_folders
 from overnight.coordinator.night.up import UpOptions, run_up
 from overnight.coordinator.tasks.states import State
 from overnight.coordinator.workspace import worktree
-from overnight.worker.sandbox.stepuser import STEP_USER, StepUser, decide, reach_problem
+from overnight.worker.sandbox.stepuser import (
+    STEP_UIDS,
+    STEP_USER,
+    StepUser,
+    decide,
+    reach_problem,
+)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # What each example task is built to show; the demo checks that it did.
@@ -31,7 +37,8 @@ EXPECTED = {
     "hangs-once": State.FINISHED_VERIFIED,
     "never-done": State.HALTED_AT_CALL_CEILING,
 }
-# Who the example steps run as when overnight runs as root and no step user is set.
+# Who the example steps run as when overnight runs as root, no step user is set and the uid
+# range is off.
 DEMO_USER = "nobody"
 # Enough for the first three tasks (2 + 4 + 4 calls at most); the fourth drains the rest.
 DEMO_BUDGET = 16
@@ -83,18 +90,21 @@ def run_demo(workers: int, state_root: Path, examples: Path = EXAMPLES) -> int:
 
 
 def _step_user() -> tuple[dict[str, str], StepUser | None]:
-    """Who the demo's steps run as: the settings' step user; as root without one (and
-    without the root opt-in), ``nobody``, said in one line, so a fresh machine runs it."""
+    """Who the demo's steps run as: whom the settings name (as root by default, a uid of
+    ``OVERNIGHT_STEP_UIDS`` for each task); as root with neither a step user nor the uid
+    range (nor the root opt-in), ``nobody``, said in one line, so a fresh machine runs it."""
     from overnight.config.settings import load_settings
 
     settings = load_settings()
     euid = os.geteuid()
-    if euid != 0 or settings.step_user or settings.allow_root_steps:
-        return {}, decide(settings.step_user, settings.allow_root_steps, euid)
+    if euid != 0 or settings.step_user or settings.allow_root_steps or settings.step_uids != "off":
+        return {}, decide(
+            settings.step_user, settings.allow_root_steps, euid, uids=settings.step_uids
+        )
     user = decide(DEMO_USER, False, euid)
     print(
-        f"overnight demo: running as root and {STEP_USER} is unset: the example steps run "
-        f"as {DEMO_USER!r}",
+        f"overnight demo: running as root, {STEP_USER} is unset and {STEP_UIDS} is off: the "
+        f"example steps run as {DEMO_USER!r}",
         file=sys.stderr,
     )
     return {STEP_USER: DEMO_USER}, user

@@ -235,6 +235,7 @@ def _run(
     from overnight.coordinator.night.control import ensure_envelope, submit_folders
     from overnight.coordinator.report.view import envelope_lines, render_plain, sandbox_lines
     from overnight.coordinator.tasks.store import TaskStore
+    from overnight.worker.sandbox.stepuser import decide, steps_line
 
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
@@ -246,6 +247,10 @@ def _run(
     )
     # Named once the namespace is ours, so a refusal stays one line.
     print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
+    user = decide(
+        settings.step_user, settings.allow_root_steps, os.geteuid(), uids=settings.step_uids
+    )
+    print(f"overnight up: {steps_line(user, os.geteuid())}", file=sys.stderr)
     if settings.sandbox != "bwrap":
         print("overnight up: steps run WITHOUT a sandbox (OVERNIGHT_SANDBOX=off)", file=sys.stderr)
     try:

@@ -109,6 +109,19 @@ def decide(
     return any_of(first, last)
 
 
+def steps_line(user: StepUser | None, euid: int) -> str:
+    """Who steps run as, in the words a worker, ``up`` and the demo print at start
+    (``user`` as :func:`decide` gave it)."""
+    if user is None:
+        if euid == 0:
+            return f"steps run as root ({ALLOW_ROOT}=1): for trusted steps only"
+        return f"steps run as this user (uid {euid})"
+    if user.pool is not None:
+        first, last = user.pool
+        return f"steps run as uids {first}-{last}, a uid of its own for each task ({STEP_UIDS})"
+    return f"steps run as {user.name} (uid {user.uid}), the same uid for every task ({STEP_USER})"
+
+
 @cache
 def configured() -> StepUser | None:
     """Who this process's steps run as, by its settings (read once)."""

@@ -155,37 +155,40 @@ def test_worker_restarts_a_killed_gateway_and_the_next_step_is_metered(
     assert wait_for(lambda: not pid_alive(second))  # the worker ended the gateway it restarted
 
 
-@pytest.mark.slow
-def test_of_two_gateways_started_at_once_one_serves_both_port_and_socket(
-    env: dict[str, str], upstream: str, tmp_path: Path, namespace: str
-) -> None:
+def _two_at_once(wenv: dict[str, str], logs: list[Path]) -> None:
+    """Start two gateways of one namespace together; exactly one stays and serves both its
+    port and its socket; stop it."""
     from overnight.config.runtime import gateway_socket
     from overnight.worker.gateway.grant import reach_problem
 
-    wenv = worker_env(env, OVERNIGHT_MODEL_URL=upstream)
     port = int(wenv["OVERNIGHT_GATEWAY_PORT"])
-    socket_path = gateway_socket(namespace)
+    socket_path = gateway_socket(wenv["OVERNIGHT_NAMESPACE"])
+    procs = []
+    for log_path in logs:
+        with open(log_path, "wb") as log:
+            procs.append(subprocess.Popen([OVERNIGHT, "gateway"], env=wenv, stderr=log, stdout=log))
+    try:
+        (loser,) = wait_for(lambda: [p for p in procs if p.poll() is not None], timeout=60)
+        said = logs[procs.index(loser)].read_text()
+        assert loser.returncode != 0 and "another gateway of this namespace runs here" in said
+        kept = logs[1 - procs.index(loser)]
+        wait_for(lambda: "listening on" in kept.read_text(), timeout=60)
+        # The one left serves both: a step of either kind is sent a token.
+        assert reach_problem(f"http://127.0.0.1:{port}") is None
+        assert reach_problem(f"http://127.0.0.1:{port}", str(socket_path)) is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+    # Stopped, it removes its socket and lets go of its lock: the next start is afresh.
+    assert not socket_path.exists()
+
+
+@pytest.mark.slow
+def test_of_two_gateways_started_at_once_one_serves_both_port_and_socket(
+    env: dict[str, str], upstream: str, tmp_path: Path
+) -> None:
+    wenv = worker_env(env, OVERNIGHT_MODEL_URL=upstream)
     for round_ in range(3):  # the race had several outcomes: try it more than once
-        logs = [tmp_path / f"gw-{round_}-{i}.log" for i in (0, 1)]
-        procs = []
-        for log_path in logs:
-            with open(log_path, "wb") as log:
-                procs.append(
-                    subprocess.Popen([OVERNIGHT, "gateway"], env=wenv, stderr=log, stdout=log)
-                )
-        try:
-            (loser,) = wait_for(lambda: [p for p in procs if p.poll() is not None], timeout=60)
-            winner = next(p for p in procs if p is not loser)
-            said = logs[procs.index(loser)].read_text()
-            assert loser.returncode != 0 and "another gateway of this namespace runs here" in said
-            wait_for(lambda: "listening on" in logs[procs.index(winner)].read_text(), timeout=60)
-            # The one left serves both: a step of either kind is sent a token.
-            assert reach_problem(f"http://127.0.0.1:{port}") is None
-            assert reach_problem(f"http://127.0.0.1:{port}", str(socket_path)) is None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    p.wait(30)
-        # Stopped, it removes its socket and lets go of its lock: the next round starts afresh.
-        assert not socket_path.exists()
+        _two_at_once(wenv, [tmp_path / f"gw-{round_}-{i}.log" for i in (0, 1)])

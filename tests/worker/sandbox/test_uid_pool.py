@@ -22,7 +22,7 @@ import pytest
 
 from overnight.config.validate import uid_range
 from overnight.worker.sandbox import uidpool
-from overnight.worker.sandbox.stepuser import StepUser
+from overnight.worker.sandbox.stepuser import StepUser, decide, steps_line
 from overnight.worker.sandbox.uidpool import PoolExhausted, UidPool, ids_in_status, pick
 from tests.helpers import OVERNIGHT, kill_quietly, wait_for
 
@@ -95,6 +95,25 @@ def test_the_setting_of_step_uids(value: object, expected: str | None) -> None:
 )
 def test_ids_in_status(status: bytes, ids: set[int]) -> None:
     assert ids_in_status(status) == ids
+
+
+@pytest.mark.parametrize(
+    ("step_user", "allow_root", "euid", "uids", "said"),
+    [
+        (None, False, 0, "61184-65519", "uids 61184-65519, a uid of its own for each task"),
+        (None, True, 0, "61184-65519", "root (OVERNIGHT_ALLOW_ROOT_STEPS=1)"),
+        (None, False, 1000, "61184-65519", "this user (uid 1000)"),
+        ("step", False, 0, "off", "step (uid 998), the same uid for every task"),
+    ],
+)
+def test_the_line_that_says_who_steps_run_as(
+    step_user: str | None, allow_root: bool, euid: int, uids: str, said: str
+) -> None:
+    def find(name: str) -> StepUser | None:
+        return StepUser(name, 998, 998) if name == "step" else None
+
+    user = decide(step_user, allow_root, euid, find, uids=uids)
+    assert steps_line(user, euid).startswith(f"steps run as {said}")
 
 
 @pytest.fixture
