@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from overnight.config.folders import make_folders
 from overnight.coordinator.report.markup import STATE_COLOURS, clock, duration, esc
 from overnight.coordinator.report.model import (
     Card,
@@ -213,9 +214,18 @@ def render(report: Report) -> str:
 
 
 def write(report: Report, path: Path) -> Path:
-    """Write the page to ``path`` atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the page to ``path`` atomically (a reader never sees half a file): folders it
+    makes are 0755 and the page 0644 whatever the umask, and a file or link already at the
+    temporary name is never written through (one planted there is an error, not a target)."""
+    make_folders(path.parent, 0o755)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(render(report), encoding="utf-8")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(tmp, flags, 0o644), "w", encoding="utf-8") as out:
+        try:
+            os.fchmod(out.fileno(), 0o644)
+            out.write(render(report))
+        except BaseException:
+            os.unlink(tmp)
+            raise
     os.replace(tmp, path)
     return path

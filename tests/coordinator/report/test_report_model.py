@@ -5,10 +5,13 @@ the metrics fold and the notification's retries."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import threading
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -248,6 +251,30 @@ def test_everything_from_a_task_is_escaped() -> None:
     assert "<script>" not in page and "\u202e" not in page and "\u2066" not in page
     assert "<b>rm -rf" not in page and "&lt;b&gt;rm -rf" in page
     assert not re.search(r"""(src|href)\s*=\s*["']?https?:|url\(\s*["']?https?:""", page)
+
+
+def test_the_page_is_written_with_its_own_modes_and_never_through_a_planted_link(
+    tmp_path: Path,
+) -> None:
+    records, receipts = night()
+    report = build(records, receipts, {}, T0 + 30)
+    page = tmp_path / "night" / "out" / "report.html"
+    old = os.umask(0)
+    try:
+        html_report.write(report, page)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(page.stat().st_mode) == 0o644
+    for folder in (page.parent, page.parent.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert "Needs you" in page.read_text()
+    # A link planted where the page's temporary file goes is an error, not a target.
+    target = tmp_path / "target"
+    target.write_text("kept")
+    (page.parent / f".report.html.{os.getpid()}.tmp").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        html_report.write(report, page)
+    assert target.read_text() == "kept"
 
 
 def test_page_holds_every_task_and_one_bar_per_step() -> None:
