@@ -6,14 +6,18 @@ its commits; and the few questions overnight asks of a repository."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from overnight.config.errors import OvernightError
+from overnight.config.folders import make_folders
 from overnight.worker.sandbox.launch import SYSTEM_PATH
 
 IDENTITY = ("overnight", "overnight@localhost")
@@ -273,3 +277,20 @@ def not_in_commit(root: str, sha: str, rel: str) -> str | None:
         f"{rel} {why}, so the task's worktree (a checkout of {sha[:12]}) does not have it: "
         'commit it, or set workspace = "in-place"'
     )
+
+
+@contextlib.contextmanager
+def locked_bare(cache: Path, *init: str) -> Iterator[None]:
+    """The bare repository ``cache`` held by this process alone (a flock beside it), made
+    with ``git init --bare INIT...`` if missing. Its folders are 0711: a step's uid walks
+    through them (to its tree, or bwrap binds the cache from there)."""
+    make_folders(cache.parent, 0o711, above=0o711)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(cache.parent / f"{cache.name}.lock", flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not (cache / "HEAD").is_file():
+            git("init", "-q", "--bare", *init, str(cache))
+        yield
+    finally:
+        os.close(fd)

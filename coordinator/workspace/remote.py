@@ -12,21 +12,18 @@ so a fetch never touches a branch a worktree has checked out.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from overnight.config.folders import make_folders
 from overnight.coordinator.workspace.git import (
     GitError,
     Reach,
     git,
     git_ok,
     git_proc,
+    locked_bare,
     rev,
     tree_files,
 )
@@ -103,21 +100,6 @@ def _talk(url: str, *args: str, cwd: Path) -> str:
         raise GitError(redact_text(str(exc), [url])) from None
 
 
-@contextlib.contextmanager
-def locked(cache: Path) -> Iterator[None]:
-    """The cache held by this process alone (a flock beside it), made if missing."""
-    make_folders(cache.parent, 0o711, above=0o711)  # a step user walks through to its tree
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-    fd = os.open(cache.parent / f"{cache.name}.lock", flags, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if not (cache / "HEAD").is_file():
-            git("init", "-q", "--bare", str(cache))
-        yield
-    finally:
-        os.close(fd)
-
-
 # --- submit -----------------------------------------------------------------------------------
 
 
@@ -125,7 +107,7 @@ def resolve_ref(url: str, ref: str | None, cache: Path) -> tuple[str, str]:
     """The full name and commit ``ref`` (default the remote's HEAD) names on the remote now
     (``git ls-remote``); raises :class:`GitError` naming what is missing."""
     want = ref or "HEAD"
-    with locked(cache):
+    with locked_bare(cache):
         out = _talk(url, "ls-remote", "--symref", REMOTE, cwd=cache)
     refs: dict[str, str] = {}
     for line in out.splitlines():
@@ -175,7 +157,7 @@ def sync(remote: Remote, base: Base, task_id: str) -> str | None:
     """The cache brought up to date with the task: its base, and its branch's tip on the
     push remote (returned; None where no turn was pushed)."""
     assert base.sha is not None
-    with locked(remote.cache):
+    with locked_bare(remote.cache):
         fetch_base(remote, base.ref, base.sha)
         return fetch_task(remote, task_id)
 
@@ -196,7 +178,7 @@ def open_tree(
     :class:`GitError` when the remote's branch no longer holds the task's turns."""
     assert base.sha is not None
     branch = branch_name(task_id)
-    with locked(remote.cache):
+    with locked_bare(remote.cache):
         fetch_base(remote, base.ref, base.sha)
         tip = fetch_task(remote, task_id)
         root = str(remote.cache)
@@ -249,7 +231,7 @@ def resolve(spec: TaskSpec, state: Path) -> Resolved:
     problems = [("protect", p) for g in spec.protect if (p := glob_problem(g)) is not None]
     try:
         full, sha = resolve_ref(spec.repo, spec.ref, remote.cache)
-        with locked(remote.cache):
+        with locked_bare(remote.cache):
             fetch_base(remote, full, sha)
     except (GitError, OSError) as exc:
         return Resolved(None, (*problems, ("ref" if spec.ref else "repo", str(exc))))
@@ -271,5 +253,5 @@ def branch_pushed(spec: TaskSpec, task_id: str, state: Path) -> bool:
     """Whether the push remote already has ``overnight/<task>`` (an earlier run's)."""
     remote = Remote.of(spec, state)
     ref = f"refs/heads/{branch_name(task_id)}"
-    with locked(remote.cache):
+    with locked_bare(remote.cache):
         return bool(_talk(remote.push, "ls-remote", REMOTE, ref, cwd=remote.cache).strip())

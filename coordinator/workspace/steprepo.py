@@ -17,16 +17,12 @@ nothing of overnight reads what a step wrote into its repository.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
-from overnight.config.folders import make_folders
-from overnight.coordinator.workspace.git import Reach, git, git_ok, rev
+from overnight.coordinator.workspace.git import Reach, git, git_ok, locked_bare, rev
 
 BASES = "refs/bases/"
 # Who the commits a step makes inside are by (its HOME is empty: no identity of its own).
@@ -44,24 +40,10 @@ def cache_path(state: Path, root: str) -> Path:
     return state / "gitbases" / f"{key}.git"
 
 
-@contextlib.contextmanager
-def _locked(cache: Path) -> Iterator[None]:
-    make_folders(cache.parent, 0o711, above=0o711)  # bwrap, as a step's uid, binds from here
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-    fd = os.open(cache.parent / f"{cache.name}.lock", flags, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if not (cache / "HEAD").is_file():
-            git("init", "-q", "--bare", f"--shared={SHARED_MODE}", "--template=", str(cache))
-        yield
-    finally:
-        os.close(fd)
-
-
 def ensure_base(cache: Path, root: str, sha: str) -> None:
     """Bring the base commit ``sha`` (and its history) from the repository at ``root`` into
     the cache, once, and keep it there (a ref of its own)."""
-    with _locked(cache):
+    with locked_bare(cache, f"--shared={SHARED_MODE}", "--template="):
         if rev(str(cache), f"{BASES}{sha}") == sha:
             return
         if rev(str(cache), sha) is None:

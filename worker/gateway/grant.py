@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from overnight.config.keys import Keys
 
 TOKEN_PREFIX = "ovn-"
+# Seconds a step waits for its host's gateway to answer (it may be starting again after a
+# crash) before it is refused a token and not started (at most half its heartbeat gap).
+GATEWAY_WAIT = 5.0
 STEP_VARS = (
     "OPENAI_BASE_URL",
     "OPENAI_API_BASE",
@@ -82,6 +86,17 @@ def reach_problem(base_url: str, socket: str | None = None) -> str | None:
     if socket is not None:
         return peer.socket_problem(Path(socket))
     return peer.tcp_problem(base_url)
+
+
+def awaited_problem(base_url: str, socket: str | None, wait: float) -> str | None:
+    """:func:`reach_problem`, asked again for up to ``wait`` seconds while there is one: a
+    gateway starting (again, after a crash) is waited for, not held against the step."""
+    deadline = time.monotonic() + wait
+    while (problem := reach_problem(base_url, socket)) is not None:
+        if time.monotonic() >= deadline:
+            return problem
+        time.sleep(0.1)
+    return None
 
 
 def mint(

@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("overnight.supervisor")
 
-# Seconds a step waits for its host's gateway to answer (it may be starting again after a
-# crash) before it is refused a token and not started.
-GATEWAY_WAIT = 5.0
-
 
 def run_supervised(
     client: redis.Redis,
@@ -190,11 +186,7 @@ class _Run:
                 if ready is not None:
                     ready.close()
         except OSError as exc:
-            line = f"lease={self.lease_id} host={self.host}: cannot start {spec.argv[0]!r}: {exc}"
-            log.warning("%s", line)
-            if self.on_output is not None:  # the step's own log says why, not only ours
-                self.on_output(f"overnight: {line}\n".encode())
-            return outcome.not_started(exc)
+            return self._refuse_start(f"cannot start {spec.argv[0]!r}: {exc}", exc)
         proof.write(
             self.keys.namespace,
             self.lease_id,
@@ -254,12 +246,12 @@ class _Run:
             if ended is not None:
                 return ended
 
-    def _refuse_start(self, why: str) -> Outcome:
-        line = f"overnight: lease={self.lease_id}: {why}"
+    def _refuse_start(self, why: str, exc: OSError | None = None) -> Outcome:
+        line = f"overnight: lease={self.lease_id} host={self.host}: {why}"
         log.warning("%s", line)
-        if self.on_output is not None:
+        if self.on_output is not None:  # the step's own log says why, not only ours
             self.on_output(line.encode() + b"\n")
-        return outcome.not_started(PermissionError(13, why))
+        return outcome.not_started(exc or PermissionError(13, why))
 
     def _answer(self, _beat: Beat) -> float:
         # Seconds a step that stays silent from now still has.
@@ -284,13 +276,11 @@ class _Run:
         if grant is None:
             return None
         socket = self.spec.gateway_socket if self.spec.sandbox else None
-        # A gateway that is starting (again) is waited for, well within the lease's gap (no
-        # beat renews it yet); never a token for whatever holds the gateway's place.
-        deadline = time.monotonic() + min(GATEWAY_WAIT, self.spec.gap / 2)
-        while (problem := gateway_grant.reach_problem(grant.base_url, socket)) is not None:
-            if time.monotonic() >= deadline:
-                raise PermissionError(13, f"the gateway cannot be trusted: {problem}")
-            time.sleep(0.1)
+        # Waited for well within the lease's gap: no beat renews it yet.
+        wait = min(gateway_grant.GATEWAY_WAIT, self.spec.gap / 2)
+        problem = gateway_grant.awaited_problem(grant.base_url, socket, wait)
+        if problem is not None:  # never a token for whatever holds the gateway's place
+            raise PermissionError(13, f"the gateway cannot be trusted: {problem}")
         ttl = self.spec.deadline + self.spec.gap + 60
         self.gateway_token, env = gateway_grant.mint(
             self.client, self.keys, self.lease_id, self.keeper.token, grant, ttl, self.spec.gap
