@@ -59,6 +59,9 @@ def test_a_hold_no_replica_acknowledges_is_refused_and_given_back(
     replica = redis_factory(password=primary.password, extra_args=follow)
     with redis.Redis.from_url(replica.url, decode_responses=True) as rep:
         wait_for(lambda: rep.info("replication").get("master_link_status") == "up", timeout=30)
+    # Following, by the primary's own count: it has had an acknowledgement (a loaded machine
+    # may take longer than the meter's 200 ms for the first one).
+    wait_for(lambda: r.execute_command("WAIT", 1, 1000) == 1, timeout=30)
     assert _reserve(primary, namespace, token).tokens == 100
     assert envelope.snapshot().remaining == 4
     r.close()
