@@ -97,8 +97,6 @@ def test_one_budget_across_three_hosts(make_cluster: Any, tmp_path: Path) -> Non
         c.start_worker(host, reaper=True)
         c.start_worker(host, reaper=False)
     wait_for(lambda: all(c.reaper_up(h) for h in c.hosts), timeout=30)
-    # Every worker waits for work, its gateway up: each host takes two of the six tasks.
-    wait_for(lambda: all(c.idle_workers(h) == 2 for h in c.hosts), timeout=30)
     ids = submit(c, *files)
 
     def drained() -> bool:
@@ -229,6 +227,8 @@ def test_one_budget_of_calls_and_tokens_through_each_hosts_gateway(
         c.start_worker(host, reaper=True)
         c.start_worker(host, reaper=False)
     wait_for(lambda: all(c.reaper_up(h) for h in c.hosts), timeout=30)
+    # Every worker waits for work, its gateway up, so every host takes some of the tasks.
+    wait_for(lambda: all(c.idle_workers(h) == 2 for h in c.hosts), timeout=30)
     ids = submit(c, *files)
 
     def drained() -> bool:

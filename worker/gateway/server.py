@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -292,8 +293,6 @@ def _hold(socket_path: Path) -> int:
     """Lock this namespace's gateway on this host for as long as the descriptor returned
     is open: two gateways started at once (two workers of one host) would otherwise each
     take one of port and socket, and the one that lost the other would leave the port."""
-    import fcntl
-
     path = socket_path.with_suffix(".lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
