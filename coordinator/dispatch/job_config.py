@@ -3,6 +3,7 @@ and the envelope charge of each call."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import redis
@@ -11,11 +12,15 @@ from overnight.config.settings import gateway_base
 from overnight.coordinator.dispatch.gateway_probe import gateway_wanted
 from overnight.coordinator.report.logs import task_log_root
 from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig
+from overnight.coordinator.tasks.scripts import WRITE_PATIENCE
 from overnight.coordinator.workspace.hostdirs import prompt_root
-from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
+from overnight.worker.redisio.clients import retry_transient
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
+
+log = logging.getLogger("overnight.job")
 
 
 def model_env(settings: Settings) -> dict[str, str]:
@@ -67,8 +72,17 @@ def envelope_consume(
                 replicas=replicas,
                 replica_timeout=settings.redis_wait_timeout,
             )
+        envelope = envelopes[name]
         try:
-            envelopes[name].try_consume(kind, request_id=request_id)
+            # Under its request id a consume asked again gets its first answer: it is
+            # retried while Redis cannot answer (a stall, a failover, a replica behind).
+            retry_transient(
+                lambda: envelope.try_consume(kind, request_id=request_id),
+                f"envelope {name}",
+                log,
+                patience=WRITE_PATIENCE,
+                when=lambda exc: isinstance(exc, EnvelopeUnavailable),
+            )
         except EnvelopeEmpty as exc:
             raise CallRefused("envelope", f"shared envelope {name!r}: {exc}") from None
 

@@ -53,6 +53,7 @@ from overnight.coordinator.workspace.taskspace import (
     verifier_env,
 )
 from overnight.coordinator.workspace.worktree import GitError
+from overnight.worker.envelope.refusals import EnvelopeUnavailable
 from overnight.worker.lease.store import new_lease_id
 from overnight.worker.sandbox import uidpool
 from overnight.worker.sandbox.stepuser import StepUser, hand_over
@@ -71,7 +72,8 @@ class CallRefused(OvernightError):
         self.detail = detail
 
 
-# (envelope name, kind, request id) -> None, or raise CallRefused.
+# (envelope name, kind, request id) -> None, or raise CallRefused (refused), or
+# EnvelopeUnavailable (it could not be asked, after its own retries).
 Consume = Callable[[str, str, str], None]
 
 
@@ -237,6 +239,11 @@ class TaskLoop:
             return LoopEnd.lost()
         except CallRefused as exc:
             return refused(cp, spec, exc.who, exc.detail)
+        except EnvelopeUnavailable as exc:  # the step never started: recovery runs it again
+            log.warning("task %s: %s; the step does not start", rec.id, exc)
+            if self.keeper is not None:
+                self.keeper.stop()
+            return LoopEnd.lost()
         cp = started
         self._ran = False
         try:
@@ -285,6 +292,14 @@ class TaskLoop:
             self.consume(spec.envelope, kind, request)
         except CallRefused:
             self.store.uncharge(rec.id, self.token, request)
+            raise
+        except EnvelopeUnavailable:
+            # The step cannot start: its call goes back to the task, so that the step run
+            # again (same request id) is charged once to both, whatever the envelope did.
+            try:
+                self.store.uncharge(rec.id, self.token, request)
+            except (TaskRefused, redis.RedisError) as exc:
+                log.warning("task %s: could not give back the call of %s: %s", rec.id, request, exc)
             raise
         return begun.now
 
@@ -365,7 +380,10 @@ class TaskLoop:
         try:
             self.store.uncharge(rec.id, self.token, request)
         except (TaskRefused, redis.RedisError) as exc:
+            # The task keeps its charge, so the envelope keeps its own: a new holder of the
+            # claim may be running the step under the same request id right now.
             log.warning("task %s: could not give back the call of %s: %s", rec.id, request, exc)
+            return
         kind = "model" if step == 0 else "tool"
         envelope = CallEnvelope(
             self.store.client, rec.spec.envelope, self.store.keys.namespace, task_id=rec.id

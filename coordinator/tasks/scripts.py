@@ -13,7 +13,7 @@ from overnight.config import defaults
 from overnight.config.errors import OvernightError
 from overnight.config.keys import Keys
 from overnight.coordinator.tasks.states import Op, lua_prelude
-from overnight.worker.redisio.clients import not_run, retry_transient
+from overnight.worker.redisio.clients import not_run, retry_transient, transient
 from overnight.worker.redisio.scripts import COORDINATOR, register
 
 if TYPE_CHECKING:
@@ -144,16 +144,17 @@ class TaskScripts:
                 self._retention = defaults.RETENTION
         return self._retention
 
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    def _run(self, name: str, keys: list[str], args: list[Any], *, again: bool = False) -> Any:
         # A script the server refused to run (OOM at maxmemory, LOADING, READONLY...) is run
-        # again once it can: the refusal means nothing was written.
+        # again once it can: the refusal means nothing was written. One that does the same
+        # whether it ran before or not (``again``) is also run again after a lost reply.
         script = self._scripts[name]
         return retry_transient(
             lambda: script(keys=keys, args=args),
             f"task script {name}",
             log,
             patience=self.patience,
-            when=not_run,
+            when=transient if again else not_run,
         )
 
     def now(self) -> float:

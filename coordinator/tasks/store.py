@@ -244,11 +244,12 @@ class TaskStore(TaskScripts):
         return Begun(int(reply[1]), float(reply[2]))
 
     def uncharge(self, task_id: str, token: str, request_id: str) -> int:
-        """Give back the call charged for ``request_id``; returns ``calls_used``. Raises
-        :class:`TaskRefused` (lost)."""
+        """Give back the call charged for ``request_id``; returns ``calls_used`` once the
+        request holds no charge of the task (given back now, or by an earlier try whose
+        reply was lost). Raises :class:`TaskRefused` (lost)."""
         keys = [self.keys.task(task_id), self.keys.task_claim(task_id)]
         result = self._run(
-            "uncharge", [*keys, self.keys.task_charged(task_id)], [token, request_id]
+            "uncharge", [*keys, self.keys.task_charged(task_id)], [token, request_id], again=True
         )
         return int(checked(task_id, result)[1])
 

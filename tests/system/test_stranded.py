@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis
 
+from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from tests.helpers import OVERNIGHT, fill_redis, task_file, wait_for
 
@@ -42,6 +43,32 @@ def _states(env: dict[str, str]) -> dict[str, str]:
     assert out.returncode == 0, out.stderr
     rows: list[dict[str, Any]] = json.loads(out.stdout)
     return {row["id"]: row["state"] for row in rows}
+
+
+def _unbalanced(client: redis.Redis, namespace: str, ids: list[str]) -> dict[str, Any]:
+    """Each task whose charged request ids and the envelope's allowed answers differ: what
+    the task was charged for that the envelope holds no charge of, and the record."""
+    keys = Keys(namespace)
+    out: dict[str, Any] = {}
+    for task_id in ids:
+        charged = sorted(m.decode() for m in client.smembers(keys.task_charged(task_id)))
+        raw = client.hgetall(keys.task(task_id))
+        envelope = json.loads(raw[b"spec"])["envelope"]
+        unbilled = []
+        for request in charged:
+            answer = client.get(keys.envelope_request(envelope, request))
+            if answer is None or (b'"allowed":true' not in answer and not answer.startswith(b"1|")):
+                unbilled.append(request)
+        if unbilled or int(raw.get(b"calls_used", b"0")) != len(charged):
+            out[task_id] = {
+                "unbilled": unbilled,
+                "charged": charged,
+                "calls_used": raw.get(b"calls_used", b"").decode(),
+                "state": raw.get(b"state", b"").decode(),
+                "detail": raw.get(b"detail", b"").decode(),
+                "checkpoint": raw.get(b"checkpoint", b"").decode()[:600],
+            }
+    return out
 
 
 def _hold(client: redis.Redis, seconds: float, refused: Callable[[], None]) -> None:
@@ -141,7 +168,9 @@ def test_a_maxmemory_stall_strands_no_task(
     total = sum(int(json.loads(_cli(tenv, "status", i).stdout)["calls_used"]) for i in ids)
     env_state = json.loads(_cli(tenv, "envelope", "status").stdout)
     consumed = int(env_state["consumed_model"]) + int(env_state["consumed_tool"])
-    assert consumed == total >= TASKS
+    unbalanced = _unbalanced(client, namespace, ids)
+    assert consumed == total >= TASKS, unbalanced
+    assert unbalanced == {}
     states = list(_states(tenv).values())
     assert states.count("finished_verified") > TASKS // 2, states
     assert [p.poll() for p in procs] == [None, None, None]
