@@ -32,12 +32,13 @@ MODEL_STEP = python_module("overnight.coordinator.tasks.model_step")
 class LoopConfig:
     """Knobs from settings that the loop needs."""
 
+    # Each task's prompt folder is made below it (a per-user folder of the settings').
+    prompt_dir: Path
     default_deadline: float = defaults.DEADLINE
     default_gap: float = defaults.HEARTBEAT_GAP
     grace: float = defaults.GRACE
     claim_ttl: float = defaults.TASK_CLAIM_TTL
     max_lost_leases: int = defaults.MAX_LOST_LEASES
-    prompt_dir: Path = Path("/tmp/overnight")
     # Each task's step output is kept under log_dir/<task id>/ (None: not kept on disk).
     log_dir: Path | None = None
     # overnight's state folder: task worktrees, verifier checkouts (None: the setting's).
