@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from overnight.config.settings import Settings
     from overnight.coordinator.tasks.store import TaskRecord
+    from overnight.worker.sandbox.stepuser import StepUser
 
 log = logging.getLogger("overnight.up")
 REFRESH_SEC = 0.5
@@ -211,7 +212,7 @@ def run_up(opts: UpOptions, out: TextIO = sys.stdout) -> UpResult:
             record_night(opts.state_dir, settings.namespace, opts.state_dir / "redis", url)
         else:
             where = "OVERNIGHT_REDIS_URL"
-        return _run(opts, settings, stack, stopper, connect, out, where)
+        return _run(opts, settings, stack, stopper, connect, out, where, user)
     finally:
         stop_workers(stack, settings.grace)
         leftovers = stack.stop()
@@ -229,13 +230,14 @@ def _run(
     connect: Any,
     out: TextIO,
     where: str,
+    user: StepUser | None,
 ) -> UpResult:
     from overnight.config.connection import describe, require_password
     from overnight.coordinator.dispatch.gateway_probe import gateway_answers, gateway_wanted
     from overnight.coordinator.night.control import ensure_envelope, submit_folders
     from overnight.coordinator.report.view import envelope_lines, render_plain, sandbox_lines
     from overnight.coordinator.tasks.store import TaskStore
-    from overnight.worker.sandbox.stepuser import decide, steps_line
+    from overnight.worker.sandbox.stepuser import steps_line
 
     client = connect(settings)
     rq_conn = connect(settings, decode_responses=False)
@@ -247,9 +249,6 @@ def _run(
     )
     # Named once the namespace is ours, so a refusal stays one line.
     print(f"overnight up: {describe(settings)} ({where})", file=sys.stderr, flush=True)
-    user = decide(
-        settings.step_user, settings.allow_root_steps, os.geteuid(), uids=settings.step_uids
-    )
     print(f"overnight up: {steps_line(user, os.geteuid())}", file=sys.stderr)
     if settings.sandbox != "bwrap":
         print("overnight up: steps run WITHOUT a sandbox (OVERNIGHT_SANDBOX=off)", file=sys.stderr)
