@@ -2,8 +2,8 @@
 
 Each step is begun in one write (its call charged to the task's own ``max_calls`` and the
 step checkpointed as in flight), charged to the shared envelope (both under a request id
-fixed by (task, run, turn, step), so a repeated step is never charged twice), run, and
-ended in one write. A turn reads (the server clock, a stop asked of this process, the
+fixed by (task, run, turn, step), so a repeated step is never charged twice: :mod:`charge`),
+run, and ended in one write. A turn reads (the server clock, a stop asked of this process, the
 step's outcome), decides in the pure rules of :mod:`turn` and :mod:`judge`, and writes
 what they say once. Times are Redis server time. The loop holds the task through its
 claim; a :class:`ClaimKeeper` thread renews it.
@@ -17,16 +17,15 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import redis
 
-from overnight.config.errors import OvernightError
 from overnight.config.folders import FolderUnusable
 from overnight.coordinator import agents
 from overnight.coordinator.tasks import stop
+from overnight.coordinator.tasks.charge import CallRefused, Consume, charge, give_back
 from overnight.coordinator.tasks.judge import begin, refused, request_id, step_name
 from overnight.coordinator.tasks.prepare import (
     LoopConfig,
@@ -61,20 +60,6 @@ from overnight.worker.sandbox.stepuser import StepUser, hand_over
 __all__ = ["CallRefused", "Consume", "LoopConfig", "LoopEnd", "TaskLoop"]
 
 log = logging.getLogger("overnight.loop")
-
-
-class CallRefused(OvernightError):
-    """A call was refused: ``who`` is ``task`` (its max_calls) or ``envelope``."""
-
-    def __init__(self, who: str, detail: str) -> None:
-        super().__init__(detail)
-        self.who = who
-        self.detail = detail
-
-
-# (envelope name, kind, request id) -> None, or raise CallRefused (refused), or
-# EnvelopeUnavailable (it could not be asked, after its own retries).
-Consume = Callable[[str, str, str], None]
 
 
 class ClaimKeeper(threading.Thread):
@@ -234,7 +219,7 @@ class TaskLoop:
         request = request_id(rec.id, rec.run, cp)
         started = begin(cp, spec, request, now)
         try:
-            self.clock.set(self._begin(rec, started, request))
+            self.clock.set(charge(self.store, self.token, self.consume, rec, started, request))
         except TaskRefused:
             return LoopEnd.lost()
         except CallRefused as exc:
@@ -255,7 +240,7 @@ class TaskLoop:
             return LoopEnd.lost()
         except (GitError, OSError, WorkspaceError) as exc:
             if not self._ran:  # it never started: nothing was spent
-                self._give_back(rec, cp.step, request)
+                give_back(self.store, self.token, rec, cp.step, request)
             return Next(cp, PAUSED, f"workspace: {exc}")
         if isinstance(req.on_line, agents.Reader):
             outcome = replace(outcome, said=req.on_line.said())
@@ -271,38 +256,10 @@ class TaskLoop:
             asked=config.stop_asked(),
         )
         if spent_nothing(nxt, outcome):
-            self._give_back(rec, cp.step, request)
+            give_back(self.store, self.token, rec, cp.step, request)
         return nxt
 
     # --- helpers -----------------------------------------------------------------------
-    def _begin(self, rec: TaskRecord, started: Checkpoint, request: str) -> float:
-        """Charge the step in flight in ``started`` to the task (and save it as in flight),
-        then to the shared envelope; returns the server time of the write. Raises
-        CallRefused, or TaskRefused if the claim is lost."""
-        spec = rec.spec
-        kind = "model" if started.step == 0 else "tool"
-        try:
-            begun = self.store.begin(rec, self.token, started, spec.max_calls)
-        except TaskRefused as exc:
-            if exc.reason != "ceiling":
-                raise
-            detail = f"task max_calls ({spec.max_calls}) reached; refused {kind} call"
-            raise CallRefused("task", detail) from None
-        try:
-            self.consume(spec.envelope, kind, request)
-        except CallRefused:
-            self.store.uncharge(rec.id, self.token, request)
-            raise
-        except EnvelopeUnavailable:
-            # The step cannot start: its call goes back to the task, so that the step run
-            # again (same request id) is charged once to both, whatever the envelope did.
-            try:
-                self.store.uncharge(rec.id, self.token, request)
-            except (TaskRefused, redis.RedisError) as exc:
-                log.warning("task %s: could not give back the call of %s: %s", rec.id, request, exc)
-            raise
-        return begun.now
-
     def _state(self) -> Path:
         from overnight.coordinator.workspace.worktree import state_dir
 
@@ -371,27 +328,6 @@ class TaskLoop:
             commit=checked.commit, snapshot=checked.snapshot, protected=checked.protected
         )
         return out, cp.model_copy(update={"checked": seen})
-
-    def _give_back(self, rec: TaskRecord, step: int, request: str) -> None:
-        """A step that never started (or an agent that could not start) spent nothing: its
-        call goes back to the task and to the shared envelope, so both agree with what ran."""
-        from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeRefused
-
-        try:
-            self.store.uncharge(rec.id, self.token, request)
-        except (TaskRefused, redis.RedisError) as exc:
-            # The task keeps its charge, so the envelope keeps its own: a new holder of the
-            # claim may be running the step under the same request id right now.
-            log.warning("task %s: could not give back the call of %s: %s", rec.id, request, exc)
-            return
-        kind = "model" if step == 0 else "tool"
-        envelope = CallEnvelope(
-            self.store.client, rec.spec.envelope, self.store.keys.namespace, task_id=rec.id
-        )
-        try:
-            envelope.refund(kind, request)
-        except (EnvelopeRefused, redis.RedisError) as exc:
-            log.warning("task %s: envelope kept the call of %s: %s", rec.id, request, exc)
 
     def _write(self, rec: TaskRecord, nxt: Next) -> LoopEnd:
         """Write ``nxt``; returns where the task is now (``LEFT`` in its state, RUNNING
