@@ -11,10 +11,11 @@ import redis
 from overnight.config.settings import gateway_base
 from overnight.coordinator.dispatch.gateway_probe import gateway_wanted
 from overnight.coordinator.report.logs import task_log_root
+from overnight.coordinator.tasks.charge import unavailable
 from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig
 from overnight.coordinator.tasks.scripts import WRITE_PATIENCE
 from overnight.coordinator.workspace.hostdirs import prompt_root
-from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
 from overnight.worker.redisio.clients import retry_transient
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def envelope_consume(
                 f"envelope {name}",
                 log,
                 patience=WRITE_PATIENCE,
-                when=lambda exc: isinstance(exc, EnvelopeUnavailable),
+                when=unavailable,
             )
         except EnvelopeEmpty as exc:
             raise CallRefused("envelope", f"shared envelope {name!r}: {exc}") from None

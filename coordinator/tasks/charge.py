@@ -21,7 +21,7 @@ from overnight.coordinator.tasks.record import Checkpoint, TaskRecord
 from overnight.coordinator.tasks.scripts import WRITE_PATIENCE
 from overnight.coordinator.tasks.store import TaskRefused, TaskStore
 from overnight.worker.envelope.refusals import EnvelopeRefused, EnvelopeUnavailable
-from overnight.worker.redisio.clients import retry_transient
+from overnight.worker.redisio.clients import retry_transient, transient
 
 log = logging.getLogger("overnight.loop")
 
@@ -47,7 +47,12 @@ def kind_of(step: int) -> str:
 
 
 def unavailable(exc: BaseException) -> bool:
-    return isinstance(exc, EnvelopeUnavailable)
+    """Whether ``exc`` says the envelope could not be asked for now: Redis away, full or
+    failing over (a :func:`transient` cause), or no replica acknowledging yet (no cause);
+    not a wrong answer that asking again would only repeat."""
+    if not isinstance(exc, EnvelopeUnavailable):
+        return False
+    return exc.__cause__ is None or transient(exc.__cause__)
 
 
 def charge(

@@ -19,11 +19,12 @@ from overnight.config.keys import Keys
 from overnight.config.settings import Settings
 from overnight.coordinator.dispatch.job_config import envelope_consume
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
+from overnight.coordinator.tasks.charge import unavailable
 from overnight.coordinator.tasks.loop import Consume, LoopConfig, TaskLoop
 from overnight.coordinator.tasks.steps import StepOutcome, StepRequest, plain_runner
 from overnight.coordinator.tasks.store import Runner, TaskStore
 from overnight.coordinator.tasks.taskfile import Rule, TaskSpec
-from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeUnavailable
+from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty, EnvelopeUnavailable
 from tests.helpers import fill_redis, wait_for
 
 PY = sys.executable
@@ -158,3 +159,26 @@ def test_the_envelope_charge_waits_out_a_full_redis_and_is_made_once(
     assert "Redis available again" in caplog.text
     consume("default", "model", "t1:r:1:0")  # asked again: its first answer, no new spend
     assert CallEnvelope(client, "default", namespace).snapshot().consumed_model == 1
+
+
+def _cause(exc: BaseException | None) -> EnvelopeUnavailable:
+    try:
+        raise EnvelopeUnavailable("model", "asked") from exc
+    except EnvelopeUnavailable as out:
+        return out
+
+
+@pytest.mark.parametrize(
+    ("exc", "again"),
+    [
+        (_cause(redis.exceptions.OutOfMemoryError("OOM command not allowed")), True),
+        (_cause(redis.ConnectionError("Connection reset by peer")), True),
+        (_cause(redis.ResponseError("READONLY You can't write against a read only replica")), True),
+        (_cause(None), True),  # no replica acknowledged the spend yet
+        (_cause(redis.ResponseError("WRONGTYPE Operation against a key")), False),
+        (EnvelopeEmpty("model", 0), False),
+        (ValueError("bad"), False),
+    ],
+)
+def test_what_the_envelope_charge_is_asked_again_for(exc: BaseException, again: bool) -> None:
+    assert unavailable(exc) is again
