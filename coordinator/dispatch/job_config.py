@@ -3,7 +3,6 @@ and the envelope charge of each call."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import redis
@@ -11,17 +10,13 @@ import redis
 from overnight.config.settings import gateway_base
 from overnight.coordinator.dispatch.gateway_probe import gateway_wanted
 from overnight.coordinator.report.logs import task_log_root
-from overnight.coordinator.tasks.charge import unavailable
+from overnight.coordinator.tasks.charge import asked_again
 from overnight.coordinator.tasks.loop import CallRefused, Consume, LoopConfig
-from overnight.coordinator.tasks.scripts import WRITE_PATIENCE
 from overnight.coordinator.workspace.hostdirs import prompt_root
 from overnight.worker.envelope.envelope import CallEnvelope, EnvelopeEmpty
-from overnight.worker.redisio.clients import retry_transient
 
 if TYPE_CHECKING:
     from overnight.config.settings import Settings
-
-log = logging.getLogger("overnight.job")
 
 
 def model_env(settings: Settings) -> dict[str, str]:
@@ -77,13 +72,7 @@ def envelope_consume(
         try:
             # Under its request id a consume asked again gets its first answer: it is
             # retried while Redis cannot answer (a stall, a failover, a replica behind).
-            retry_transient(
-                lambda: envelope.try_consume(kind, request_id=request_id),
-                f"envelope {name}",
-                log,
-                patience=WRITE_PATIENCE,
-                when=unavailable,
-            )
+            asked_again(lambda: envelope.try_consume(kind, request_id=request_id), name)
         except EnvelopeEmpty as exc:
             raise CallRefused("envelope", f"shared envelope {name!r}: {exc}") from None
 

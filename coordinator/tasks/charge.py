@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
@@ -24,6 +25,7 @@ from overnight.worker.envelope.refusals import EnvelopeRefused, EnvelopeUnavaila
 from overnight.worker.redisio.clients import retry_transient, transient
 
 log = logging.getLogger("overnight.loop")
+T = TypeVar("T")
 
 
 class CallRefused(OvernightError):
@@ -53,6 +55,12 @@ def unavailable(exc: BaseException) -> bool:
     if not isinstance(exc, EnvelopeUnavailable):
         return False
     return exc.__cause__ is None or transient(exc.__cause__)
+
+
+def asked_again(ask: Callable[[], T], name: str) -> T:
+    """``ask()`` of the envelope ``name`` under a request id (so it counts once however often
+    it is asked), asked again while :func:`unavailable` says so, for up to WRITE_PATIENCE."""
+    return retry_transient(ask, f"envelope {name}", log, patience=WRITE_PATIENCE, when=unavailable)
 
 
 def charge(
@@ -106,12 +114,6 @@ def give_back(store: TaskStore, token: str, rec: TaskRecord, step: int, request:
     name = rec.spec.envelope
     envelope = CallEnvelope(store.client, name, store.keys.namespace, task_id=rec.id)
     try:
-        retry_transient(
-            lambda: envelope.refund(kind_of(step), request),
-            f"envelope {name}",
-            log,
-            patience=WRITE_PATIENCE,
-            when=unavailable,
-        )
+        asked_again(lambda: envelope.refund(kind_of(step), request), name)
     except (EnvelopeRefused, redis.RedisError) as exc:
         log.warning("task %s: envelope kept the call of %s: %s", rec.id, request, exc)

@@ -148,7 +148,7 @@ def test_the_envelope_charge_waits_out_a_full_redis_and_is_made_once(
         else:
             done.append(None)
 
-    with caplog.at_level(logging.WARNING, logger="overnight.job"):
+    with caplog.at_level(logging.WARNING, logger="overnight.loop"):
         charging = threading.Thread(target=charge)
         charging.start()
         wait_for(lambda: "envelope default: Redis unavailable" in caplog.text, timeout=30)
