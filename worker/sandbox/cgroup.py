@@ -302,6 +302,22 @@ def create(namespace: str, lease_id: str) -> StepGroup | None:
         return None
 
 
+def holds_limits(namespace: str) -> bool:
+    """True if a lease's container under ``namespace`` would get the ``pids`` or ``memory``
+    controller (its parent enables one for its children), so the step's limits could be
+    the kernel's. Only then does a sandboxed step get a container: its pid namespace
+    already ends its tree as a whole (the kernel kills every process of a namespace whose
+    first process exits), and moving a process into a cgroup costs a step milliseconds."""
+    path = group_path(namespace, "_")
+    if path is None:
+        return False
+    try:
+        enabled = (path.parent / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return False
+    return "pids" in enabled or "memory" in enabled
+
+
 _said: set[str] = set()
 
 

@@ -170,9 +170,11 @@ def uid_processes(uid: int) -> int:
     return count
 
 
-def launch_prefix(limits: Limits, uid: int) -> list[str]:
+def launch_prefix(limits: Limits, uid: int, *, alone: bool = False) -> list[str]:
     """The argv prefix that sets ``limits`` on the step's first program as ``uid``; empty
-    when there is nothing to set or no prlimit (the watch still holds them)."""
+    when there is nothing to set or no prlimit (the watch still holds them). ``alone``: no
+    other process runs as ``uid`` (a task's own uid between its steps, each ended whole), so
+    ``/proc`` is not walked to count them; were one left, the step would only get fewer."""
     program = find_prlimit()
     if program is None:
         return []
@@ -180,7 +182,7 @@ def launch_prefix(limits: Limits, uid: int) -> list[str]:
     nofile_hard = hard if hard != resource.RLIM_INFINITY else 1 << 20
     if uid == 0:  # root ignores RLIMIT_NPROC: no walk of /proc for it (the watch holds)
         limits = replace(limits, pids=0)
-    count = uid_processes(uid) if limits.pids else 0
+    count = uid_processes(uid) if limits.pids and not alone else 0
     args = rlimit_args(limits, uid_procs=count, nofile_hard=nofile_hard)
     return [program, *args, "--"] if args else []
 

@@ -37,18 +37,20 @@ class StepUser:
 
     With ``pool`` (the first and last uid of ``OVERNIGHT_STEP_UIDS``) it stands for any uid
     of that range, for checks of what such a uid may reach: no step runs as it; each task
-    takes a uid of its own (:func:`worker.sandbox.uidpool.held`)."""
+    takes a uid of its own (:func:`worker.sandbox.uidpool.held`). ``alone``: a uid so taken,
+    which no process but the holder's current step runs as."""
 
     name: str
     uid: int
     gid: int
     groups: tuple[int, ...] = ()
     pool: tuple[int, int] | None = None
+    alone: bool = False
 
 
 def pooled(uid: int) -> StepUser:
     """The step user of a uid taken from the pool: no account, its gid its uid, no groups."""
-    return StepUser(f"overnight-{uid}", uid, uid)
+    return StepUser(f"overnight-{uid}", uid, uid, alone=True)
 
 
 def any_of(first: int, last: int) -> StepUser:

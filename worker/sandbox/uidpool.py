@@ -153,7 +153,7 @@ class UidPool:
         fix = "check the runtime folder"
         usable(self.folder.parent, 0o700, fix, private=True, own=True)
         usable(self.folder, 0o700, fix, private=True, own=True)
-        running = ids_running()
+        running: set[int] = set()  # as /proc last showed, to pass over uids in use
         passed: set[int] = set()
         while True:
             uid = pick(task_id, self.first, self.last, passed)
@@ -168,7 +168,9 @@ class UidPool:
             held = self._lock(uid)
             if held is None:
                 continue
-            why = self._unclean(uid)
+            # Looked at only now it is held: a holder may have ended since any earlier look.
+            running = ids_running()
+            why = self._unclean(uid, running)
             if why is None:
                 os.ftruncate(held.fd, 0)
                 os.write(held.fd, f"{task_id} {os.getpid()}\n".encode())
@@ -186,9 +188,10 @@ class UidPool:
             return None
         return Held(pooled(uid), fd)
 
-    def _unclean(self, uid: int) -> str | None:
-        """Why ``uid``, now held, may not be given out (None: it may)."""
-        if uid in ids_running():  # again: a holder may have ended since the first look
+    def _unclean(self, uid: int, running: set[int]) -> str | None:
+        """Why ``uid``, now held, may not be given out (None: it may); ``running`` is what
+        :func:`ids_running` said once it was held."""
+        if uid in running:
             return "a process runs as it"
         left = left_by(uid, self.places)
         return None if left is None else f"{left} is its"

@@ -236,6 +236,7 @@ class Child:
         )
         wake = [signals.read_fd] if signals is not None else []
         in_group = None
+        settle = SETTLE if self._exited() else 0.0
         if self.group is not None:
             in_group = self.group.end(
                 grace,
@@ -243,9 +244,9 @@ class Child:
                 hurry=hurry,
                 wake_fds=wake,
                 kill_timeout=KILL_TIMEOUT,
-                settle=SETTLE if self._exited() else 0.0,
+                settle=settle,
             )
-            grace = 0.0
+            grace, settle = 0.0, 0.0
         report = tree.end_tree(
             target,
             grace,
@@ -253,6 +254,7 @@ class Child:
             hurry=hurry,
             wake_fds=wake,
             kill_timeout=KILL_TIMEOUT,
+            settle=settle,
         )
         if in_group is not None:
             report.via_cgroup = True

@@ -52,7 +52,8 @@ class Guard:
         if home is not None:
             trees.append(home)
         self.watch = step_limits.Watch(self.limits, trees, mounts, time.monotonic())
-        return [*step_limits.launch_prefix(self.limits, uid), *argv]
+        alone = spec.user is not None and spec.user.alone
+        return [*step_limits.launch_prefix(self.limits, uid, alone=alone), *argv]
 
     def attach(self, pid: int, ticks: int | None, lease_id: str) -> Guard:
         """Watch the tree of the started child ``pid``."""

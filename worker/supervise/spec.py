@@ -36,7 +36,9 @@ class StepSpec:
     an RQ horse does not). ``user`` is who the step runs as (None: this process's user;
     the commands decide it by :func:`worker.sandbox.stepuser.configured`); its scratch HOME is its
     own and ``cwd`` must be a folder it can write, else the step does not start.
-    ``contain`` puts the step in a per-lease cgroup where this host and user allow it.
+    ``contain`` puts the step in a per-lease cgroup where this host and user allow it (a
+    sandboxed step only where that cgroup would hold its limits: its pid namespace ends
+    its tree, :func:`worker.sandbox.cgroup.holds_limits`).
     """
 
     argv: list[str]

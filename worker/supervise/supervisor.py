@@ -151,7 +151,7 @@ class _Run:
             self.channel = Channel(self.lease_id)
             if not spec.sandbox:
                 self.home = stepenv.make_home(self.lease_id, spec.user, spec.home_files)
-            if spec.contain:
+            if spec.contain and (not spec.sandbox or cgroup.holds_limits(self.keys.namespace)):
                 self.group = cgroup.create(self.keys.namespace, self.lease_id)
             env = stepenv.step_environment(
                 os.environ,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -73,6 +74,7 @@ class Tree:
     adopter: int | None = None
     group_safe: bool = False
     keep_unreaped: set[int] = field(default_factory=set)
+    orphans: dict[int, Proc] = field(default_factory=dict)  # zombies exited_alone found
     _tag_cache: dict[tuple[int, int], bool] = field(default_factory=dict, repr=False)
 
     def members(self, table: dict[int, Proc] | None = None) -> dict[int, Proc]:
@@ -117,9 +119,14 @@ class Tree:
         above them, so the topmost living process of any surviving branch is a child of
         this process (or of a subreaper that is itself such a surviving descendant). An
         orphan that reached us stays in our children list, as a zombie once dead, until we
-        reap it. So if our only child is the exited, unreaped root (others we may have, if
-        they started before the root: they cannot descend from it), no descendant lives, and
-        group and session members (only descendants can be in them) are gone too. What this
+        reap it, and a zombie's own children were handed on before it became one. So if our
+        only children are the exited, unreaped root and zombies (others we may have, if they
+        started before the root: they cannot descend from it), no descendant lives, and
+        group and session members (only descendants can be in them) are gone too. A
+        sandbox's pid namespace keeps this true: its first process, which comes back to us
+        when bwrap's outer process exits before it, turns zombie only once the kernel has
+        ended every other process of the namespace. The zombies are in :attr:`orphans` for
+        :func:`end_tree` to reap. What this
         does not cover are processes that never descended from the root but carry its tag
         (started on its behalf by some other process); the full scan still looks for tags
         whenever the root is alive, we are not a subreaper, or any orphan came back to us.
@@ -130,14 +137,49 @@ class Tree:
             info = os.waitid(os.P_PID, self.root, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return False
-        children = own_children()
-        if info is None or children is None or self.root not in children:
+        late = self._late_children() if info is not None else None
+        if late is None or any(not row.dead for row in late.values()):
             return False
+        self.orphans = late
+        return True
+
+    def _late_children(self) -> dict[int, Proc] | None:
+        """Our children but the root that started no earlier than it (None: /proc cannot
+        tell, or the root is not among them)."""
+        children = own_children()
+        if children is None or self.root not in children:
+            return None
+        late: dict[int, Proc] = {}
         for pid in children - {self.root}:
             row = read_proc(pid)
             if row is not None and (self.root_start is None or row.start >= self.root_start):
-                return False
-        return True
+                late[pid] = row
+        return late
+
+    def settle(self, seconds: float, wake_fds: Iterable[int] = ()) -> None:
+        """Give the root's live late children (a sandbox's first process tearing its
+        namespaces down after bwrap's outer process exited) up to ``seconds`` to exit by
+        themselves; returns early when one of ``wake_fds`` wakes."""
+        end = time.monotonic() + seconds
+        while (now := time.monotonic()) < end:
+            late = self._late_children()
+            alive = [pid for pid, row in (late or {}).items() if not row.dead]
+            if not alive:
+                return
+            poller = select.poll()
+            opened = []
+            try:
+                for pid in alive:
+                    with contextlib.suppress(OSError):
+                        opened.append(os.pidfd_open(pid))
+                        poller.register(opened[-1], select.POLLIN)
+                for fd in wake_fds:
+                    poller.register(fd, select.POLLIN)
+                if any(fd not in opened for fd, _ in poller.poll(max(1, int((end - now) * 1000)))):
+                    return
+            finally:
+                for fd in opened:
+                    os.close(fd)
 
     def _tagged(self, proc: Proc) -> bool:
         if proc.dead or not self.lease_id:
@@ -177,17 +219,22 @@ def end_tree(
     hurry: Callable[[], bool] | None = None,
     wake_fds: Iterable[int] = (),
     kill_timeout: float = 5.0,
+    settle: float = 0.0,
 ) -> KillReport:
     """Send ``first_signal`` to every live member, wait up to ``grace``, then SIGKILL the rest.
 
     Returns early once every member is gone. Members that appear during the grace get the
     signal too. ``hurry()`` returning True (checked whenever ``wake_fds`` wake us) skips the
     rest of the grace. When this returns, no member is alive unless it resisted SIGKILL for
-    ``kill_timeout`` seconds (reported in ``survivors``).
+    ``kill_timeout`` seconds (reported in ``survivors``). ``settle``: seconds the exited
+    root's late children may first take to exit by themselves (:meth:`Tree.settle`).
     """
     started = time.monotonic()
     report = KillReport()
+    if settle > 0:
+        tree.settle(settle, wake_fds)
     if tree.exited_alone():
+        _reap(tree.orphans, tree.keep_unreaped)
         report.seconds = time.monotonic() - started
         return report
     sig = Signaller()

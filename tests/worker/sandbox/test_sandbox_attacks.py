@@ -27,7 +27,7 @@ import redis
 from overnight.config.keys import Keys
 from overnight.coordinator.night.embedded_redis import EmbeddedRedis
 from overnight.worker.gateway.grant import Grant
-from overnight.worker.sandbox import launch
+from overnight.worker.sandbox import cgroup, launch
 from overnight.worker.sandbox.stepuser import StepUser
 from overnight.worker.supervise.supervisor import StepSpec, run_supervised
 from tests.helpers import capability, wait_for
@@ -318,6 +318,60 @@ def test_a_killed_supervisor_takes_the_sandbox_with_it(
         proc.kill()
         proc.wait(timeout=30)
         for pid in sleepers():
+            os.kill(pid, 9)
+
+
+def test_a_daemon_left_behind_dies_with_its_step(
+    env: dict[str, str], who: str, place: Path
+) -> None:
+    """A step that starts a detached daemon deaf to SIGTERM and exits 0: the daemon ends
+    with the step's pid namespace (where no cgroup would hold its limits, a sandboxed step
+    has none: the namespace is what ends its tree). Its benign twin is the daemon's own
+    work: it ran, and wrote its file into the worktree."""
+    marker = f"daemon-{uuid.uuid4().hex[:8]}"
+    wt = place / "wt"
+    daemon = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "open('alive', 'w').write('yes'); time.sleep(300)"
+    )
+    script = (
+        f'setsid {PY3} -c "{daemon}" {marker} </dev/null >/dev/null 2>&1 & '
+        "while [ ! -e go ]; do sleep 0.05; done; exit 0"
+    )
+
+    def daemons() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    found.append(int(pid))
+        return found
+
+    step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
+    if who == "step-user":
+        step_env["OVERNIGHT_STEP_USER"] = "overnight-step"
+    exe = str(Path(sys.executable).with_name("overnight"))
+    proc = subprocess.Popen(
+        [exe, "supervise", "--quiet", "--gap", "30", "--deadline", "60", "--", "sh", "-c", script],
+        env=step_env,
+        cwd=wt,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        seen = wait_for(lambda: daemons() or None, timeout=20)
+        wait_for(lambda: (wt / "alive").exists(), timeout=20)
+        lines = Path(f"/proc/{seen[0]}/cgroup").read_text().splitlines()
+        in_own_group = any("/overnight/" in line for line in lines)
+        assert in_own_group is cgroup.holds_limits(env["OVERNIGHT_NAMESPACE"]), lines
+        (wt / "go").write_text("")
+        assert proc.wait(timeout=30) == 0
+        assert (wt / "alive").read_text() == "yes"
+        assert not daemons(), seen
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for pid in daemons():
             os.kill(pid, 9)
 
 

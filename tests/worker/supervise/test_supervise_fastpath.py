@@ -114,3 +114,51 @@ def test_a_child_started_before_the_root_does_not_count() -> None:
 
 def test_the_shortcut_never_applies_to_another_adopter() -> None:
     assert not tree.Tree(root=1, root_start=0, adopter=None).exited_alone()
+
+
+ORPHAN = (
+    "import os, sys, time\n"
+    "if os.fork() == 0:\n"
+    "    time.sleep(float(sys.argv[1]))\n"
+    "    os._exit(0)\n"
+)
+
+
+def test_a_dead_orphan_needs_no_scan_and_is_reaped() -> None:
+    # The shape of a sandbox's end: bwrap's outer process exits before the namespace's
+    # first process, which comes back to us and dies.
+    out = run(f"""
+        tree.set_child_subreaper()
+        proc, t = spawn([sys.executable, "-c", {ORPHAN!r}, "0.2"])
+        exited(proc)
+        orphans = tree.own_children() - {{proc.pid}}
+        print(len(orphans), t.exited_alone())  # alive: the scan runs
+        for pid in orphans:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        print(t.exited_alone())  # a zombie now
+        report = tree.end_tree(t, 1.0)
+        print(not report.signalled and not report.killed)
+        print(tree.own_children() == {{proc.pid}})  # reaped; the root left to its owner
+    """)
+    assert out == ["1", "False", "True", "True", "True"]
+
+
+def test_settle_waits_for_an_orphan_that_is_exiting_and_no_longer() -> None:
+    out = run(f"""
+        tree.set_child_subreaper()
+        proc, t = spawn([sys.executable, "-c", {ORPHAN!r}, "0.3"])
+        exited(proc)
+        report = tree.end_tree(t, 1.0, settle=10.0)
+        print(not report.signalled and not report.killed)  # it went by itself
+        print(tree.own_children() == {{proc.pid}})
+
+        # Its twin never goes: the settle gives up and the tree is ended.
+        proc.wait()
+        proc, t = spawn([sys.executable, "-c", {ORPHAN!r}, "300"])
+        exited(proc)
+        orphans = tree.own_children() - {{proc.pid}}
+        report = tree.end_tree(t, 0.2, settle=0.3)
+        print(bool(orphans) and report.signalled >= orphans)
+        print(all(tree.read_proc(pid) is None or tree.read_proc(pid).dead for pid in orphans))
+    """)
+    assert out == ["True", "True", "True", "True"]
