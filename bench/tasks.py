@@ -7,7 +7,15 @@ with W ``rq worker --burst`` processes (stock RQ but for the listener stop of
 agent and single rule are ``true`` and drains them with W ``overnight worker --burst``
 processes (every step under a lease, envelope-charged, checkpointed, with receipts).
 It prints both rates and the ratio (overhead factor; target <= 1.5).
-It alternates the two for ``--rounds`` and reports the best run of each, since the
+
+A third shape is the sandboxed baseline: plain RQ jobs that run the same two commands, each
+in the sandbox a step gets (the argv :func:`worker.sandbox.launch.prepare` builds, as one
+uid of the step range when run as root) and nothing else of overnight. Its ratio to
+overnight is what overnight's own bookkeeping costs once both pay for the sandbox; its
+ratio to plain RQ is what bubblewrap itself costs. With ``OVERNIGHT_SANDBOX=off`` in the
+environment overnight's steps run unsandboxed and the baseline is skipped.
+
+It alternates the shapes for ``--rounds`` and reports the best run of each, since the
 machine may be shared.
 """
 
@@ -21,6 +29,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from overnight.worker.sandbox.stepuser import StepUser
 
 # Who steps run as (contract §1): kept from the caller's environment.
 STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
@@ -37,6 +49,36 @@ def plain_job() -> int:
     return 0
 
 
+def _sandbox_user() -> StepUser | None:
+    from overnight.config.defaults import STEP_UIDS
+    from overnight.worker.sandbox.stepuser import pooled
+
+    return pooled(int(STEP_UIDS.split("-")[0])) if os.geteuid() == 0 else None
+
+
+def sandboxed_job(workdir: str) -> int:
+    """The sandboxed baseline: the same two commands, each in a step's sandbox."""
+    from overnight.worker.sandbox import launch
+
+    user = _sandbox_user()
+    for _ in range(2):
+        ready = launch.prepare(
+            ["true"], cwd=workdir, worktree=workdir, user=user, env={"PATH": launch.SYSTEM_PATH}
+        )
+        try:
+            subprocess.run(
+                ready.argv,
+                env=ready.env,
+                pass_fds=ready.pass_fds,
+                cwd=workdir,
+                stdin=subprocess.DEVNULL,
+                check=True,
+            )
+        finally:
+            ready.close()
+    return 0
+
+
 def _plain_worker_class() -> type:
     from rq import Worker
 
@@ -45,6 +87,15 @@ def _plain_worker_class() -> type:
     class PlainWorker(Worker):  # type: ignore[misc]
         """Stock RQ but for its listener's stop: with redis-py 6+ an idle burst worker's own
         waits up to 60 s for a subscription as it exits (overnight's worker has the same fix)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # As overnight's worker does at its start: one sandbox started, which leaves
+            # what every launch looks up (the system folders, /etc's unreadable files)
+            # cached for the work horses it forks.
+            from overnight.worker.sandbox import launch
+
+            launch.probe(_sandbox_user())
 
         def unsubscribe(self) -> None:
             stop_listening(self)
@@ -78,13 +129,21 @@ def _drain(argv: list[str], workers: int, env: dict[str, str], logs: Path) -> fl
     return elapsed
 
 
-def run_plain(url: str, n: int, workers: int, env: dict[str, str]) -> float:
+def run_plain(
+    url: str, n: int, workers: int, env: dict[str, str], workdir: Path | None = None
+) -> float:
+    """Drain N plain RQ jobs: :func:`plain_job`, or with ``workdir`` :func:`sandboxed_job`."""
     import redis
     from rq import Queue
 
     conn = redis.Redis.from_url(url)
     queue = Queue(f"bench-plain-{uuid.uuid4().hex[:6]}", connection=conn)
-    datas = [Queue.prepare_data("bench.tasks.plain_job", result_ttl=600) for _ in range(n)]
+    func, args = (
+        ("bench.tasks.plain_job", ())
+        if workdir is None
+        else ("bench.tasks.sandboxed_job", (str(workdir),))
+    )
+    datas = [Queue.prepare_data(func, args=args, result_ttl=600) for _ in range(n)]
     with conn.pipeline() as pipe:
         queue.enqueue_many(datas, pipeline=pipe)
         pipe.execute()
@@ -161,9 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir()
         work.chmod(0o1777)
         Path(tmp).chmod(0o755)
-        plains, ourses = [], []
+        sandboxed = os.environ.get("OVERNIGHT_SANDBOX", "bwrap").strip().lower() != "off"
+        plains: list[float] = []
+        boxes: list[float] = []
+        ourses: list[float] = []
         for i in range(args.rounds):
             plains.append(run_plain(server.url, args.tasks, args.workers, env))
+            if sandboxed:
+                boxes.append(run_plain(server.url, args.tasks, args.workers, env, work))
             ours_env = {**env, "OVERNIGHT_NAMESPACE": f"{env['OVERNIGHT_NAMESPACE']}-{i}"}
             ourses.append(run_overnight(server.url, args.tasks, args.workers, ours_env, work))
     plain, ours, n = min(plains), min(ourses), args.tasks
@@ -171,9 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         f"tasks={n} workers={args.workers} rounds={args.rounds} (best of each; "
         "each task: agent `true` + one rule `true`)"
     )
-    print(f"plain RQ jobs   : {n / plain:8.1f} tasks/s  ({plain:.2f}s)")
-    print(f"overnight tasks : {n / ours:8.1f} tasks/s  ({ours:.2f}s)")
-    print(f"overhead ratio  : {ours / plain:8.2f}x  (target <= 1.50x)")
+    print(f"plain RQ jobs      : {n / plain:8.1f} tasks/s  ({plain:.2f}s)")
+    if boxes:
+        box = min(boxes)
+        print(f"sandboxed RQ jobs  : {n / box:8.1f} tasks/s  ({box:.2f}s)")
+    print(f"overnight tasks    : {n / ours:8.1f} tasks/s  ({ours:.2f}s)")
+    print(f"overhead ratio     : {ours / plain:8.2f}x  (target <= 1.50x)")
+    if boxes:
+        print(f"  over sandboxed RQ: {ours / box:8.2f}x  (overnight's own part)")
+        print(f"  sandboxed / plain: {box / plain:8.2f}x  (bubblewrap's part)")
     return 0
 
 

@@ -9,6 +9,7 @@ back to ``queued`` from its checkpoint (:mod:`coordinator.tasks.stop`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -36,7 +37,14 @@ from overnight.coordinator.tasks.steps import (
 )
 from overnight.coordinator.tasks.store import Runner, TaskCorrupt, TaskStore
 from overnight.coordinator.tasks.turn import Ending, LoopEnd
+from overnight.worker.redisio import scripts
 from overnight.worker.supervise.procs import hostname
+
+# What a step imports or reads on first use, loaded here once for every horse (each would
+# otherwise pay for it again with every task).
+importlib.import_module("overnight.config.stopat")
+importlib.import_module("overnight.worker.sandbox.relay")
+scripts.preload()
 
 log = logging.getLogger("overnight.dispatch")
 

@@ -29,6 +29,15 @@ def source(name: str, package: str = WORKER) -> str:
     return resources.files(package).joinpath("lua", f"{name}.lua").read_text()
 
 
+def preload(packages: tuple[str, ...] = (WORKER, COORDINATOR)) -> None:
+    """Read every script of ``packages`` into :func:`source`'s cache (a process that forks
+    work horses reads them once for all of them)."""
+    for package in packages:
+        for entry in resources.files(package).joinpath("lua").iterdir():
+            if entry.name.endswith(".lua"):
+                source(entry.name.removesuffix(".lua"), package)
+
+
 @overload
 def register(
     client: redis.Redis, name: str, *, package: str = ..., lib: str | None = ..., prelude: str = ...
