@@ -38,13 +38,16 @@ from overnight.coordinator.tasks.steps import (
 from overnight.coordinator.tasks.store import Runner, TaskCorrupt, TaskStore
 from overnight.coordinator.tasks.turn import Ending, LoopEnd
 from overnight.worker.redisio import scripts
-from overnight.worker.supervise.procs import hostname
+from overnight.worker.sandbox import cgroup
+from overnight.worker.supervise.procs import boot_id, hostname
 
 # What a step imports or reads on first use, loaded here once for every horse (each would
 # otherwise pay for it again with every task).
 importlib.import_module("overnight.config.stopat")
 importlib.import_module("overnight.worker.sandbox.relay")
 scripts.preload()
+cgroup.cgroup2_mount()
+boot_id()
 
 log = logging.getLogger("overnight.dispatch")
 

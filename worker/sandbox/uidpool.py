@@ -105,17 +105,17 @@ def left_by(uid: int, places: Sequence[Place]) -> Path | None:
     """A file or folder of ``uid`` found in ``places`` (each walked ``depth`` levels down,
     links not followed), or None."""
     for folder, depth in places:
-        level = [folder]
-        for _ in range(depth):
-            below: list[Path] = []
+        level = [str(folder)]
+        for down in range(depth, 0, -1):
+            below: list[str] = []
             for parent in level:
                 with contextlib.suppress(OSError), os.scandir(parent) as entries:
                     for entry in entries:
                         with contextlib.suppress(OSError):
                             if entry.stat(follow_symlinks=False).st_uid == uid:
                                 return Path(entry.path)
-                            if entry.is_dir(follow_symlinks=False):
-                                below.append(Path(entry.path))
+                            if down > 1 and entry.is_dir(follow_symlinks=False):
+                                below.append(entry.path)
             level = below
     return None
 

@@ -311,3 +311,28 @@ def test_supervise_runs_its_step_as_a_uid_it_holds_for_it(
         assert refused.stderr.count("\n") == 1 and "no free step uid" in refused.stderr
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize(
+    ("owned", "depth", "found"),
+    [
+        ("a", 1, "a"),  # an entry of the folder itself
+        ("d/b", 1, None),  # one level further than looked
+        ("d/b", 2, "d/b"),
+        ("d/e/c", 2, None),
+        ("d/e/c", 3, "d/e/c"),
+    ],
+)
+def test_left_by_looks_depth_levels_down(
+    tmp_path: Path, owned: str, depth: int, found: str | None
+) -> None:
+    uid = 64999
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    target = tmp_path / owned
+    target.write_text("")
+    os.chown(target, uid, uid)
+    (tmp_path / "link").symlink_to(tmp_path / "d")  # a link is never followed
+    hit = uidpool.left_by(uid, ((tmp_path, depth),))
+    assert hit == (tmp_path / found if found else None)
+    assert uidpool.left_by(uid + 1, ((tmp_path, depth),)) is None  # nobody else's
