@@ -110,13 +110,18 @@ def root_entries(root: str = "/") -> dict[str, str | None]:
     return found
 
 
+# A path under the system folders with its owner and group.
+Owned = tuple[str, int, int]
+
+
 @cache
-def hidden(root: str = "/etc") -> tuple[tuple[str, ...], tuple[str, ...]]:
+def hidden(root: str = "/etc") -> tuple[tuple[Owned, ...], tuple[Owned, ...]]:
     """The files and folders under ``root`` that not everyone may read (not followed
-    through links): what a sandbox empties (read once a process: such files are rare and
+    through links), with their owner and group: what a sandbox empties for a step that
+    could read them (:func:`hidden_from`; read once a process: such files are rare and
     stay put)."""
-    files: list[str] = []
-    folders: list[str] = []
+    files: list[Owned] = []
+    folders: list[Owned] = []
     for top, subs, names in os.walk(root):
         open_subs = []
         for name in subs:
@@ -125,7 +130,7 @@ def hidden(root: str = "/etc") -> tuple[tuple[str, ...], tuple[str, ...]]:
             if stat.S_ISLNK(info.st_mode):
                 continue
             if info.st_mode & 0o005 != 0o005:
-                folders.append(path)
+                folders.append((path, info.st_uid, info.st_gid))
             else:
                 open_subs.append(name)
         subs[:] = open_subs
@@ -134,8 +139,16 @@ def hidden(root: str = "/etc") -> tuple[tuple[str, ...], tuple[str, ...]]:
             with contextlib.suppress(OSError):
                 info = os.lstat(path)
                 if stat.S_ISREG(info.st_mode) and not info.st_mode & 0o004:
-                    files.append(path)
+                    files.append((path, info.st_uid, info.st_gid))
     return tuple(sorted(files)), tuple(sorted(folders))
+
+
+def hidden_from(entries: Sequence[Owned], uid: int, gids: Sequence[int]) -> tuple[str, ...]:
+    """The paths of ``entries`` (none of which everyone may read) that a process of ``uid``
+    and groups ``gids`` could: root, the owner, a member of the group. Anyone else falls in
+    the "others" class the file shuts out already, so emptying it would cost the sandbox
+    a mount and hide nothing (each mount is a share of every step's start)."""
+    return tuple(path for path, owner, group in entries if uid in (0, owner) or group in gids)
 
 
 def bridge_argv(python: str) -> tuple[str, ...]:
@@ -257,6 +270,9 @@ def prepare(
         bridge = bridge_argv(python)
     name, uid, gid, groups = identity(user)
     home = "/root" if uid == 0 else f"/home/{name}"
+    # The groups the kernel checks: setpriv sets the step user's; else this process's own.
+    gids = (gid, *groups) if user is not None else (os.getegid(), *os.getgroups())
+    secret_files, secret_dirs = hidden()
     fds: list[int] = []
     try:
         fds.append(_memfd("passwd", bwrap.passwd_text(name, uid, gid, home).encode()))
@@ -285,8 +301,8 @@ def prepare(
             writable=tuple(writable),
             readable=_reachable([*_outside(own_code(), worktree), *readable], user),
             sockets=_reachable(sockets, user),
-            hidden_files=hidden()[0],
-            hidden_dirs=hidden()[1],
+            hidden_files=hidden_from(secret_files, uid, gids),
+            hidden_dirs=hidden_from(secret_dirs, uid, gids),
             home_files=tuple(files),
             network=network,
             gateway_socket=gateway_socket,

@@ -13,6 +13,7 @@ from overnight.worker.sandbox.bwrap import (
     passwd_text,
     writable_problem,
 )
+from overnight.worker.sandbox.launch import hidden_from
 
 TOP = {"usr": None, "bin": "usr/bin", "lib": "usr/lib", "etc": None}
 
@@ -213,3 +214,22 @@ def test_own_code_inside_the_tree_is_the_trees(tree: str, kept: list[str]) -> No
     from overnight.worker.sandbox.launch import _outside
 
     assert _outside(["/opt/venv", "/srv/projx/pkg"], tree) == kept
+
+
+SECRETS = (("/etc/shadow", 0, 42), ("/etc/redis", 105, 110), ("/etc/mine", 61184, 61184))
+
+
+@pytest.mark.parametrize(
+    ("uid", "gids", "emptied"),
+    [
+        (0, (0,), ["/etc/shadow", "/etc/redis", "/etc/mine"]),  # root reads them all
+        (61184, (61184,), ["/etc/mine"]),  # a task's uid: only what it owns
+        (61185, (61185,), []),  # in the others' class of each: nothing to hide
+        (1000, (1000, 42), ["/etc/shadow"]),  # a step user in the shadow group
+        (105, (105,), ["/etc/redis"]),  # the owner
+    ],
+)
+def test_a_secret_is_emptied_for_whoever_could_read_it(
+    uid: int, gids: tuple[int, ...], emptied: list[str]
+) -> None:
+    assert list(hidden_from(SECRETS, uid, gids)) == emptied
