@@ -6,7 +6,8 @@ with W ``rq worker --burst`` processes (stock RQ but for the listener stop of
 :class:`PlainWorker`), and (b) submits N overnight tasks whose
 agent and single rule are ``true`` and drains them with W ``overnight worker --burst``
 processes (every step under a lease, envelope-charged, checkpointed, with receipts).
-It prints both rates and the ratio (overhead factor; target <= 1.5).
+It prints both rates and the ratio (overhead factor; target <= 1.5, exit status 1 when
+missed).
 
 A third shape is the sandboxed baseline: plain RQ jobs that run the same two commands, each
 in the sandbox a step gets (the argv :func:`worker.sandbox.launch.prepare` builds, as one
@@ -39,6 +40,7 @@ STEP_VARS = ("OVERNIGHT_STEP_USER", "OVERNIGHT_ALLOW_ROOT_STEPS")
 
 
 ROOT = Path(__file__).resolve().parent.parent
+TARGET = 1.5  # overnight's time over plain RQ's; the exit status is 1 when it is missed
 BIN = Path(sys.executable).parent
 
 
@@ -240,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         box = min(boxes)
         print(f"sandboxed RQ jobs  : {n / box:8.1f} tasks/s  ({box:.2f}s)")
     print(f"overnight tasks    : {n / ours:8.1f} tasks/s  ({ours:.2f}s)")
-    print(f"overhead ratio     : {ours / plain:8.2f}x  (target <= 1.50x)")
+    met = ours / plain <= TARGET
+    verdict = "PASS" if met else "MISS"
+    print(f"overhead ratio     : {ours / plain:8.2f}x  (target <= {TARGET:.2f}x)  {verdict}")
     if boxes:
         print(f"  over sandboxed RQ: {ours / box:8.2f}x  (overnight's own part)")
         print(f"  sandboxed / plain: {box / plain:8.2f}x  (bubblewrap's part)")
-    return 0
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

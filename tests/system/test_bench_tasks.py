@@ -27,7 +27,11 @@ def test_the_three_shapes_run_and_are_compared() -> None:
         text=True,
         timeout=300,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    ratio = re.search(r"^overhead ratio\s*:\s+([\d.]+)x .* (PASS|MISS)$", out.stdout, re.M)
+    assert ratio is not None, out.stdout + out.stderr
+    met = float(ratio.group(1)) <= 1.5
+    assert ratio.group(2) == ("PASS" if met else "MISS")
+    assert out.returncode == (0 if met else 1), out.stdout + out.stderr  # make bench's verdict
     rates = dict(
         re.findall(
             r"^(plain RQ|sandboxed RQ|overnight) \w+\s*:\s+([\d.]+) tasks/s", out.stdout, re.M
