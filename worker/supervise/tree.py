@@ -129,7 +129,7 @@ class Tree:
         :func:`end_tree` to reap. What this
         does not cover are processes that never descended from the root but carry its tag
         (started on its behalf by some other process); the full scan still looks for tags
-        whenever the root is alive, we are not a subreaper, or any orphan came back to us.
+        whenever the root is alive, we are not a subreaper, or a live orphan came back to us.
         """
         if self.adopter is None or self.adopter != os.getpid() or not is_child_subreaper():
             return False
