@@ -247,38 +247,48 @@ def test_git_works_inside_on_the_worktree(
     assert owner == (step_user.uid if who == "step-user" else 0)  # the step's own uid outside
 
 
-def test_the_tree_kill_reaches_into_the_sandbox(env: dict[str, str], who: str, place: Path) -> None:
-    marker = f"sleeper-{uuid.uuid4().hex[:8]}"
-    script = f"setsid {PY3} -c 'import time; time.sleep(300)' {marker} & sleep 300"
+def marked(marker: str) -> list[int]:
+    """The pids of this host whose command line has ``marker`` as one of its words."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(int(pid))
+    return found
 
-    def sleepers() -> list[int]:
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                    found.append(int(pid))
-        return found
 
+def supervise_in_background(
+    env: dict[str, str], who: str, cwd: Path, script: str
+) -> subprocess.Popen[bytes]:
+    """``overnight supervise`` of ``sh -c script`` in its sandbox, started and left running
+    (gap 30 s, deadline 60 s)."""
     step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
     if who == "step-user":
         step_env["OVERNIGHT_STEP_USER"] = "overnight-step"
     exe = str(Path(sys.executable).with_name("overnight"))
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [exe, "supervise", "--quiet", "--gap", "30", "--deadline", "60", "--", "sh", "-c", script],
         env=step_env,
-        cwd=place / "wt",
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def test_the_tree_kill_reaches_into_the_sandbox(env: dict[str, str], who: str, place: Path) -> None:
+    marker = f"sleeper-{uuid.uuid4().hex[:8]}"
+    script = f"setsid {PY3} -c 'import time; time.sleep(300)' {marker} & sleep 300"
+
+    proc = supervise_in_background(env, who, place / "wt", script)
     try:
-        seen = wait_for(lambda: sleepers() or None, timeout=20)  # the escapee really ran
+        seen = wait_for(lambda: marked(marker) or None, timeout=20)  # the escapee really ran
         proc.terminate()
         assert proc.wait(timeout=30) != 0
-        assert not sleepers(), seen
+        assert not marked(marker), seen
     finally:
         proc.kill()
         proc.wait(timeout=30)
-        for pid in sleepers():
+        for pid in marked(marker):
             os.kill(pid, 9)
 
 
@@ -290,34 +300,16 @@ def test_a_killed_supervisor_takes_the_sandbox_with_it(
     marker = f"orphan-{uuid.uuid4().hex[:8]}"
     script = f"setsid {PY3} -c 'import time; time.sleep(300)' {marker} & sleep 300"
 
-    def sleepers() -> list[int]:
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                    found.append(int(pid))
-        return found
-
-    step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
-    if who == "step-user":
-        step_env["OVERNIGHT_STEP_USER"] = "overnight-step"
-    exe = str(Path(sys.executable).with_name("overnight"))
-    proc = subprocess.Popen(
-        [exe, "supervise", "--quiet", "--gap", "30", "--deadline", "60", "--", "sh", "-c", script],
-        env=step_env,
-        cwd=place / "wt",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = supervise_in_background(env, who, place / "wt", script)
     try:
-        wait_for(lambda: sleepers() or None, timeout=20)  # the escapee really ran
+        wait_for(lambda: marked(marker) or None, timeout=20)  # the escapee really ran
         proc.kill()
         proc.wait(timeout=30)
-        wait_for(lambda: not sleepers(), timeout=10)
+        wait_for(lambda: not marked(marker), timeout=10)
     finally:
         proc.kill()
         proc.wait(timeout=30)
-        for pid in sleepers():
+        for pid in marked(marker):
             os.kill(pid, 9)
 
 
@@ -339,27 +331,9 @@ def test_a_daemon_left_behind_dies_with_its_step(
         "while [ ! -e go ]; do sleep 0.05; done; exit 0"
     )
 
-    def daemons() -> list[int]:
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                    found.append(int(pid))
-        return found
-
-    step_env = {**env, "OVERNIGHT_SANDBOX": "bwrap"}
-    if who == "step-user":
-        step_env["OVERNIGHT_STEP_USER"] = "overnight-step"
-    exe = str(Path(sys.executable).with_name("overnight"))
-    proc = subprocess.Popen(
-        [exe, "supervise", "--quiet", "--gap", "30", "--deadline", "60", "--", "sh", "-c", script],
-        env=step_env,
-        cwd=wt,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = supervise_in_background(env, who, wt, script)
     try:
-        seen = wait_for(lambda: daemons() or None, timeout=20)
+        seen = wait_for(lambda: marked(marker) or None, timeout=20)
         wait_for(lambda: (wt / "alive").exists(), timeout=20)
         lines = Path(f"/proc/{seen[0]}/cgroup").read_text().splitlines()
         in_own_group = any("/overnight/" in line for line in lines)
@@ -367,11 +341,11 @@ def test_a_daemon_left_behind_dies_with_its_step(
         (wt / "go").write_text("")
         assert proc.wait(timeout=30) == 0
         assert (wt / "alive").read_text() == "yes"
-        assert not daemons(), seen
+        assert not marked(marker), seen
     finally:
         proc.kill()
         proc.wait(timeout=30)
-        for pid in daemons():
+        for pid in marked(marker):
             os.kill(pid, 9)
 
 
